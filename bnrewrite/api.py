@@ -1,0 +1,153 @@
+"""`rewrite_graph`: the Python entry point."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tensorflow.core.framework import graph_pb2
+from tensorflow.core.protobuf import meta_graph_pb2
+
+from bnrewrite.errors import AlreadyRewrittenError, BnRewriteError, InferenceOnlyError, NoBatchNormError
+from bnrewrite.graph import Graph, parse_input
+from bnrewrite.match.sites import scan
+from bnrewrite.match.towers import TOWER_BY
+from bnrewrite.passes import run_passes
+from bnrewrite.passes.record import PassRecord
+from bnrewrite.plan import Options, Plan, make_plan
+from bnrewrite.report import LayerRow, Report
+
+
+@dataclass(frozen=True)
+class RewriteResult:
+    graph_def: graph_pb2.GraphDef
+    meta_graph_def: meta_graph_pb2.MetaGraphDef | None
+    report: Report
+
+
+def rewrite_graph(
+    graph: Any,
+    backend: str = "auto",
+    *,
+    tower_by: str = "auto",
+    group_size: int | None = None,
+    timeout_seconds: float = 0.0,
+    if_rewritten: str = "error",
+) -> RewriteResult:
+    """Synchronize batch norm across the towers of a replicated training graph.
+
+    graph: a tf.Graph, tf.compat.v1.GraphDef or MetaGraphDef; it is never modified.
+    backend: "auto" (NCCL when every tower is on a GPU, else collective), "nccl" or "collective".
+    tower_by: "auto", "device" (one tower per device) or "scope" (one per top-level name scope).
+    group_size: synchronize towers in consecutive groups of this many (default: all towers).
+    timeout_seconds: CollectiveReduceV2's timeout, so a missing peer fails instead of hanging.
+    if_rewritten: "error" raises AlreadyRewrittenError on a graph bnrewrite already rewrote;
+        "keep" returns it unchanged with a report saying so.
+    """
+    if tower_by not in TOWER_BY:
+        raise BnRewriteError(f"unknown tower_by {tower_by!r}; choose one of {', '.join(TOWER_BY)}")
+    if if_rewritten not in ("error", "keep"):
+        raise BnRewriteError(f"unknown if_rewritten {if_rewritten!r}; choose error or keep")
+    graph_def, meta = _as_protos(graph)
+    model = Graph.from_graph_def(graph_def)
+    census = scan(model)
+    if census.rewritten:
+        if if_rewritten == "error":
+            raise AlreadyRewrittenError(
+                f"this graph was already rewritten by bnrewrite ({len(census.rewritten)} nodes carry its mark); "
+                "rewrite the original graph instead"
+            )
+        report = Report(already_rewritten=True, nodes_before=len(model), nodes_after=len(model))
+        report.notes.append(f"{len(census.rewritten)} nodes already carry bnrewrite's mark")
+        return RewriteResult(_copy(graph_def), _copy(meta) if meta is not None else None, report)
+    if not census.sites:
+        if census.inference:
+            raise InferenceOnlyError(
+                f"all {len(census.inference)} batch-norm ops are in inference mode (is_training=False); "
+                "bnrewrite rewrites training graphs: export the graph with training=True and its gradients"
+            )
+        raise NoBatchNormError(
+            "no batch-norm op found (FusedBatchNorm, FusedBatchNormV2/V3); nothing to synchronize"
+            + (f" ({len(census.skips)} unsupported: {census.skips[0].reason})" if census.skips else "")
+        )
+    options = Options(backend=backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds)
+    plan = make_plan(model, census, options)
+    rewritten, records = run_passes(model, plan)
+    out_def = rewritten.to_graph_def()
+    report = _report(plan, records, census, len(model), len(rewritten))
+    removed = {r["node"] for r in report.removed}
+    return RewriteResult(out_def, _rewrite_meta(meta, out_def, removed) if meta is not None else None, report)
+
+
+def _copy(message: Any) -> Any:
+    out = type(message)()
+    out.CopyFrom(message)
+    return out
+
+
+def _as_protos(graph: Any) -> tuple[graph_pb2.GraphDef, meta_graph_pb2.MetaGraphDef | None]:
+    """The GraphDef to rewrite and, when the input carries one, its MetaGraphDef."""
+    if isinstance(graph, meta_graph_pb2.MetaGraphDef):
+        return graph.graph_def, graph
+    if isinstance(graph, graph_pb2.GraphDef):
+        return graph, None
+    if hasattr(graph, "as_graph_def") and hasattr(graph, "get_all_collection_keys"):
+        import tensorflow as tf
+
+        with graph.as_default():
+            meta = tf.compat.v1.train.export_meta_graph(graph=graph, clear_devices=False)
+        return meta.graph_def, meta
+    raise BnRewriteError(f"rewrite_graph takes a tf.Graph, GraphDef or MetaGraphDef, not {type(graph).__name__}")
+
+
+def _rewrite_meta(
+    meta: meta_graph_pb2.MetaGraphDef, graph_def: graph_pb2.GraphDef, removed: set[str]
+) -> meta_graph_pb2.MetaGraphDef:
+    """The MetaGraphDef with the new graph; removed ops leave every collection that listed them."""
+    out = meta_graph_pb2.MetaGraphDef()
+    out.CopyFrom(meta)
+    out.graph_def.CopyFrom(graph_def)
+    for collection in out.collection_def.values():
+        if collection.WhichOneof("kind") == "node_list":
+            kept = [v for v in collection.node_list.value if parse_input(v)[0] not in removed]
+            del collection.node_list.value[:]
+            collection.node_list.value.extend(kept)
+    return out
+
+
+def _report(plan: Plan, records: list[PassRecord], census: Any, before: int, after: int) -> Report:
+    report = Report(
+        backend=plan.backend,
+        tower_by=plan.towers.by,
+        towers=list(plan.towers.ids),
+        sync_groups=[list(g) for g in plan.sync_groups],
+        nodes_before=before,
+        nodes_after=after,
+    )
+    removed = [r for rec in records for r in rec.removed]
+    removed_names = {name for name, _ in removed}
+    for group in plan.groups:
+        first = group.sites[0]
+        grads = [g for s in group.sites for g in s.grads]
+        report.layers.append(LayerRow(
+            layer=group.key,
+            op=first.op,
+            data_format=first.data_format,
+            dtype=first.dtype_name,
+            towers=list(plan.towers.ids),
+            sites=[s.name for s in group.sites],
+            gradients=grads,
+            collectives=len(group.sites) + len(grads),
+            sync_groups=[list(g) for g in plan.sync_groups],
+            updates_kept=[u.node for s in group.sites for u in s.updates if u.node not in removed_names],
+        ))
+    report.removed = [{"node": name, "why": why} for name, why in removed]
+    report.skipped = [{"node": s.node, "reason": s.reason} for s in (*census.skips, *plan.towers.skips)]
+    report.passes = [
+        {"name": r.name, "added": r.added, "replaced": len(r.replaced), "removed": len(r.removed),
+         "control_edges": r.control_edges, "seconds": round(r.seconds, 4)}
+        for r in records
+    ]
+    if any(not g.sites[0].grads for g in plan.groups):
+        report.notes.append("some synced layers have no gradient op in the graph: only their forward pass is synchronized")
+    return report

@@ -1,0 +1,70 @@
+"""The all-reduce ops bnrewrite inserts: NCCL on GPU towers, TF collectives elsewhere.
+
+Every all-reduce belongs to a sync group (a set of towers; its `group_key`) and has an
+`instance_key` shared by all its members and unique within the graph, so NCCL's
+`shared_name` and the collective runtime's keys both identify it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bnrewrite.errors import BackendError
+from bnrewrite.graph import Device
+from bnrewrite.nodes import Builder, DType
+
+BACKENDS = ("auto", "nccl", "collective")
+COLLECTIVE_OPS = frozenset({"NcclAllReduce", "CollectiveReduceV2"})
+#: Attribute on each inserted all-reduce: its instance key, for ordering.
+INSTANCE_ATTR = "_bnrewrite_instance"
+
+
+@dataclass(frozen=True)
+class Collective:
+    """Where one all-reduce instance goes: its backend, group and keys."""
+
+    backend: str
+    group_size: int
+    group_key: int
+    instance_key: int
+    timeout_seconds: float = 0.0
+
+    @property
+    def shared_name(self) -> str:
+        return f"bnrewrite_g{self.group_key}_i{self.instance_key}"
+
+
+def choose_backend(backend: str, devices: list[Device]) -> str:
+    """'auto' picks NCCL when every tower is a GPU; checks that the devices allow the choice."""
+    if backend not in BACKENDS:
+        raise BackendError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    on_gpu = all(d.type == "GPU" for d in devices)
+    if backend == "auto":
+        backend = "nccl" if on_gpu else "collective"
+    if backend == "nccl" and not on_gpu:
+        others = sorted({str(d) or "(no device)" for d in devices if d.type != "GPU"})
+        raise BackendError(f"backend nccl needs every tower on a GPU, but towers sit on {', '.join(others)}; use --backend collective")
+    if len(set(devices)) != len(devices):
+        raise BackendError(
+            "towers share a device (" + ", ".join(str(d) or "(no device)" for d in devices)
+            + "); an all-reduce needs one device per tower: place each tower with tf.device"
+        )
+    return backend
+
+
+def all_reduce(builder: Builder, name: str, tensor: str, dtype: int, key: Collective) -> str:
+    """Sum `tensor` over the sync group; returns the reduced tensor."""
+    if key.backend == "nccl":
+        return builder.node(
+            "NcclAllReduce", name, [tensor], T=DType(dtype), reduction="sum",
+            num_devices=key.group_size, shared_name=key.shared_name, **{INSTANCE_ATTR: key.instance_key},
+        )
+    size = builder.const(f"{name}/group_size", key.group_size)
+    group = builder.const(f"{name}/group_key", key.group_key)
+    instance = builder.const(f"{name}/instance_key", key.instance_key)
+    return builder.node(
+        "CollectiveReduceV2", name, [tensor, size, group, instance], T=DType(dtype),
+        merge_op="Add", final_op="Id", communication_hint="auto", timeout_seconds=float(key.timeout_seconds),
+        is_stateless=False, Nordering_token=0, max_subdivs_per_device=-1, **{INSTANCE_ATTR: key.instance_key},
+    )
+

@@ -1,0 +1,72 @@
+"""Exceptions for a user's mistakes: each carries one line saying what is wrong and what to do.
+
+Every class has its own CLI exit code, so scripts can tell the failures apart.
+"""
+
+from __future__ import annotations
+
+
+class BnRewriteError(Exception):
+    """Base class; `exit_code` is what the command line returns for it."""
+
+    exit_code = 1
+
+
+class InputFormatError(BnRewriteError):
+    """The file is not a GraphDef, MetaGraphDef or SavedModel, or it is corrupt."""
+
+    exit_code = 3
+
+
+class NoBatchNormError(BnRewriteError):
+    """The graph has no batch-norm op at all."""
+
+    exit_code = 4
+
+
+class InferenceOnlyError(BnRewriteError):
+    """Every batch-norm op is in inference mode: there is nothing to synchronize."""
+
+    exit_code = 5
+
+
+class NoTowersError(BnRewriteError):
+    """Fewer than two towers could be found."""
+
+    exit_code = 6
+
+
+class TowerMismatchError(BnRewriteError):
+    """Towers were found but no batch-norm layer lines up across all of them."""
+
+    exit_code = 7
+
+
+class AlreadyRewrittenError(BnRewriteError):
+    """The graph already carries bnrewrite's synchronized batch norm."""
+
+    exit_code = 8
+
+
+class BackendError(BnRewriteError):
+    """The chosen collective backend cannot serve these towers' devices."""
+
+    exit_code = 9
+
+
+class OutputError(BnRewriteError):
+    """The output path is unusable: it exists, equals the input, or cannot be written."""
+
+    exit_code = 10
+
+
+class GraphValidationError(BnRewriteError):
+    """A graph is malformed: dangling inputs, duplicate names or a cycle."""
+
+    exit_code = 11
+
+
+class PassError(GraphValidationError):
+    """A rewrite pass produced an invalid graph; names the pass. A bug in bnrewrite."""
+
+    exit_code = 12

@@ -1,0 +1,277 @@
+"""The graph model: a thin, read-only index over the nodes of a GraphDef.
+
+Passes never mutate a `Graph`. They call `graph.edit()`, change the `Editor`, and
+`Editor.finish()` returns a new `Graph` that shares every untouched NodeDef with the old
+one, so a pass costs what it changes plus one dict copy, not a copy of the GraphDef.
+NodeDefs held by a `Graph` are therefore treated as frozen: `Editor.mutable()` copies
+a node before it is changed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterable, Iterator
+
+from tensorflow.core.framework import graph_pb2, node_def_pb2
+
+from bnrewrite.errors import GraphValidationError
+
+NodeDef = node_def_pb2.NodeDef
+
+#: Edges out of these ops close v1 while-loops; they are not cycles.
+_LOOP_BACK_OPS = frozenset({"NextIteration", "RefNextIteration"})
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One input of `consumer`: slot -1 marks a control edge."""
+
+    consumer: str
+    slot: int
+    output: int
+
+
+def parse_input(spec: str) -> tuple[str, int]:
+    """'a:1' -> ('a', 1); 'a' -> ('a', 0); '^a' -> ('a', -1)."""
+    if spec.startswith("^"):
+        return spec[1:], -1
+    name, sep, index = spec.rpartition(":")
+    if sep and index.isdigit():
+        return name, int(index)
+    return spec, 0
+
+
+def tensor_name(node: str, output: int = 0) -> str:
+    """The input string that reads `output` of `node`."""
+    return node if output == 0 else f"{node}:{output}"
+
+
+_DEVICE_RE = re.compile(r"(?:/?device:)?(?P<type>[A-Za-z_]+):(?P<index>\d+|\*)$")
+
+
+@dataclass(frozen=True, order=True)
+class Device:
+    """A parsed device string; the parts that tell towers apart."""
+
+    job: str = ""
+    replica: int = -1
+    task: int = -1
+    type: str = ""
+    index: int = -1
+
+    @classmethod
+    def parse(cls, spec: str) -> "Device":
+        fields: dict[str, object] = {}
+        for part in spec.strip("/").split("/"):
+            if not part:
+                continue
+            key, _, value = part.partition(":")
+            if key in ("job", "replica", "task"):
+                fields[key] = value if key == "job" else int(value)
+                continue
+            match = _DEVICE_RE.match(part)
+            if match:
+                fields["type"] = match["type"].upper()
+                index = match["index"]
+                fields["index"] = -1 if index == "*" else int(index)
+        return cls(**fields)  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        parts = []
+        if self.job:
+            parts.append(f"/job:{self.job}")
+        if self.replica >= 0:
+            parts.append(f"/replica:{self.replica}")
+        if self.task >= 0:
+            parts.append(f"/task:{self.task}")
+        if self.type:
+            parts.append(f"/device:{self.type}:{self.index if self.index >= 0 else '*'}")
+        return "".join(parts)
+
+
+class Graph:
+    """Nodes by name, in GraphDef order, plus lazily built indexes."""
+
+    def __init__(
+        self,
+        nodes: dict[str, NodeDef],
+        library: object = None,
+        versions: object = None,
+    ) -> None:
+        self._nodes = nodes
+        self.library = library
+        self.versions = versions
+
+    @classmethod
+    def from_graph_def(cls, graph_def: graph_pb2.GraphDef) -> "Graph":
+        nodes: dict[str, NodeDef] = {}
+        for node in graph_def.node:
+            if node.name in nodes:
+                raise GraphValidationError(f"node name {node.name!r} appears twice")
+            nodes[node.name] = node
+        library = graph_def.library if graph_def.HasField("library") else None
+        versions = graph_def.versions if graph_def.HasField("versions") else None
+        return cls(nodes, library, versions)
+
+    def to_graph_def(self) -> graph_pb2.GraphDef:
+        out = graph_pb2.GraphDef()
+        out.node.extend(self._nodes.values())
+        if self.library is not None:
+            out.library.CopyFrom(self.library)
+        if self.versions is not None:
+            out.versions.CopyFrom(self.versions)
+        return out
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._nodes
+
+    def __iter__(self) -> Iterator[NodeDef]:
+        return iter(self._nodes.values())
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def node(self, name: str) -> NodeDef:
+        return self._nodes[name]
+
+    def names(self) -> Iterable[str]:
+        return self._nodes.keys()
+
+    def edit(self) -> "Editor":
+        return Editor(self)
+
+    @cached_property
+    def consumers(self) -> dict[str, list[Edge]]:
+        """Producer name -> the edges that read it (data and control)."""
+        index: dict[str, list[Edge]] = {}
+        for node in self._nodes.values():
+            for slot, spec in enumerate(node.input):
+                src, output = parse_input(spec)
+                index.setdefault(src, []).append(Edge(node.name, -1 if output < 0 else slot, output))
+        return index
+
+    def consumers_of(self, name: str, output: int | None = None) -> list[Edge]:
+        """Edges reading `name` (any output, or only `output`; -1 selects control edges)."""
+        edges = self.consumers.get(name, [])
+        if output is None:
+            return edges
+        return [e for e in edges if e.output == output]
+
+    def inputs(self, name: str) -> list[tuple[str, int]]:
+        """Data inputs of a node as (producer, output) pairs."""
+        out = []
+        for spec in self._nodes[name].input:
+            src, output = parse_input(spec)
+            if output >= 0:
+                out.append((src, output))
+        return out
+
+    def producer(self, name: str, slot: int) -> tuple[str, int]:
+        """The (producer, output) feeding data input `slot` of node `name`."""
+        return parse_input(self._nodes[name].input[slot])
+
+    def device(self, name: str) -> Device:
+        return _parse_device(self._nodes[name].device)
+
+    def topological_order(self) -> list[str]:
+        """Kahn's order over data and control edges, loop back-edges ignored.
+
+        Raises GraphValidationError naming nodes on a cycle when there is one.
+        """
+        indegree = {name: 0 for name in self._nodes}
+        for node in self._nodes.values():
+            for spec in node.input:
+                src, _ = parse_input(spec)
+                if src in self._nodes and self._nodes[src].op not in _LOOP_BACK_OPS:
+                    indegree[node.name] += 1
+        ready = [name for name, d in indegree.items() if d == 0]
+        order: list[str] = []
+        consumers = self.consumers
+        while ready:
+            name = ready.pop()
+            order.append(name)
+            if self._nodes[name].op in _LOOP_BACK_OPS:
+                continue
+            for edge in consumers.get(name, ()):
+                indegree[edge.consumer] -= 1
+                if indegree[edge.consumer] == 0:
+                    ready.append(edge.consumer)
+        if len(order) != len(self._nodes):
+            stuck = sorted(n for n, d in indegree.items() if d > 0)[:5]
+            raise GraphValidationError(f"the graph has a cycle through {', '.join(stuck)}")
+        return order
+
+    def validate(self) -> None:
+        """Every input resolves to a node and there is no cycle.
+
+        Names are unique by construction (a dict), so that check lives in `Editor.add`.
+        """
+        for node in self._nodes.values():
+            for spec in node.input:
+                src, _ = parse_input(spec)
+                if src not in self._nodes:
+                    raise GraphValidationError(f"node {node.name!r} reads {spec!r}, which does not exist")
+        self.topological_order()
+
+
+_device_cache: dict[str, Device] = {}
+
+
+def _parse_device(spec: str) -> Device:
+    device = _device_cache.get(spec)
+    if device is None:
+        device = _device_cache[spec] = Device.parse(spec)
+    return device
+
+
+class Editor:
+    """Copy-on-write changes to a Graph; `finish()` returns the new Graph."""
+
+    def __init__(self, base: Graph) -> None:
+        self._base = base
+        self._nodes = dict(base._nodes)
+        self._copied: set[str] = set()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._nodes
+
+    def node(self, name: str) -> NodeDef:
+        return self._nodes[name]
+
+    def add(self, node: NodeDef) -> None:
+        if node.name in self._nodes:
+            raise GraphValidationError(f"a node named {node.name!r} already exists")
+        self._nodes[node.name] = node
+        self._copied.add(node.name)
+
+    def replace(self, node: NodeDef) -> None:
+        """Put `node` where the node of the same name was (keeps its place and name)."""
+        if node.name not in self._nodes:
+            raise GraphValidationError(f"no node named {node.name!r} to replace")
+        self._nodes[node.name] = node
+        self._copied.add(node.name)
+
+    def remove(self, name: str) -> None:
+        del self._nodes[name]
+
+    def mutable(self, name: str) -> NodeDef:
+        """The node itself, copied first if it still belongs to the base graph."""
+        if name not in self._copied:
+            copy = NodeDef()
+            copy.CopyFrom(self._nodes[name])
+            self._nodes[name] = copy
+            self._copied.add(name)
+        return self._nodes[name]
+
+    def unique_name(self, base: str) -> str:
+        if base not in self._nodes:
+            return base
+        i = 1
+        while f"{base}_{i}" in self._nodes:
+            i += 1
+        return f"{base}_{i}"
+
+    def finish(self) -> Graph:
+        return Graph(self._nodes, self._base.library, self._base.versions)

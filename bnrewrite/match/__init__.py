@@ -1,0 +1,1 @@
+"""Matching: find batch-norm sites and line them up across towers."""

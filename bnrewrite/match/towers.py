@@ -1,0 +1,122 @@
+"""Telling towers apart and lining up the copies of each batch-norm layer across them.
+
+A tower is what the graph shows: the device a site runs on when sites span several devices,
+else the top name scope. A layer is what its copies share: the variables they read when
+those are shared, else the node name with the tower's part taken out.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+from bnrewrite.errors import NoTowersError, TowerMismatchError
+from bnrewrite.graph import Graph
+from bnrewrite.match.sites import Site, Skip
+
+TOWER_BY = ("auto", "device", "scope")
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """The K copies of one batch-norm layer, one per tower, in tower order."""
+
+    key: str
+    sites: tuple[Site, ...]
+
+
+@dataclass(frozen=True)
+class Towers:
+    ids: tuple[str, ...]
+    by: str
+    groups: tuple[LayerGroup, ...]
+    skips: tuple[Skip, ...]
+
+
+def _natural(text: str) -> list[object]:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
+
+
+def tower_of(site: Site, by: str) -> str:
+    return str(site.device) if by == "device" else site.name.split("/", 1)[0]
+
+
+def _strip_tower(name: str) -> str:
+    head, sep, rest = name.partition("/")
+    return rest if sep else re.sub(r"_\d+$", "", head)
+
+
+def choose_tower_by(sites: list[Site], by: str) -> str:
+    if by != "auto":
+        return by
+    devices = {s.device for s in sites if s.device.type}
+    return "device" if len(devices) >= 2 else "scope"
+
+
+def group_towers(graph: Graph, sites: list[Site], by: str = "auto") -> Towers:
+    """Assign every site a tower and group the copies of each layer.
+
+    Groups that do not have exactly one copy in every tower, or whose copies differ in
+    op, format, dtype or attributes, are skipped whole with the reason.
+    """
+    by = choose_tower_by(sites, by)
+    tower = {s.name: tower_of(s, by) for s in sites}
+    ids = sorted(set(tower.values()), key=_natural)
+    if len(ids) < 2:
+        where = f"device {ids[0]}" if by == "device" and ids else f"scope {ids[0]!r}" if ids else "nowhere"
+        raise NoTowersError(
+            f"training batch norm found in only one tower ({where}, told apart by {by}); "
+            "bnrewrite needs a graph replicated over 2 or more towers (devices or name scopes)"
+        )
+    readers: dict[str, set[str]] = defaultdict(set)
+    for s in sites:
+        if s.scale_var:
+            readers[s.scale_var].add(tower[s.name])
+    buckets: dict[str, list[Site]] = defaultdict(list)
+    for s in sites:
+        shared = s.scale_var is not None and len(readers[s.scale_var]) >= 2
+        key = f"{s.scale_var}|{s.offset_var}" if shared else _strip_tower(s.name)
+        buckets[key].append(s)
+    order = {name: i for i, name in enumerate(graph.names())}
+    groups, skips = [], []
+    for key, members in buckets.items():
+        reason = _mismatch(members, tower, ids)
+        if reason:
+            skips.extend(Skip(s.name, reason) for s in members)
+            continue
+        members.sort(key=lambda s: ids.index(tower[s.name]))
+        groups.append(LayerGroup(_layer_name(members[0], key), tuple(members)))
+    groups.sort(key=lambda g: order[g.sites[0].name])
+    if not groups:
+        raise TowerMismatchError(
+            f"found towers {', '.join(ids)} but no batch-norm layer lines up across them "
+            f"({skips[0].node}: {skips[0].reason}); check that every tower builds the same model"
+        )
+    return Towers(tuple(ids), by, tuple(groups), tuple(skips))
+
+
+def _layer_name(site: Site, key: str) -> str:
+    if site.scale_var:
+        return site.scale_var.rsplit("/", 1)[0]
+    return key.rsplit("/", 1)[0]
+
+
+def _mismatch(members: list[Site], tower: dict[str, str], ids: list[str]) -> str:
+    seen: dict[str, list[str]] = defaultdict(list)
+    for s in members:
+        seen[tower[s.name]].append(s.name)
+    twice = [t for t, names in seen.items() if len(names) > 1]
+    if twice:
+        return f"used {len(seen[twice[0]])} times in tower {twice[0]}; a layer must appear once per tower"
+    missing = [t for t in ids if t not in seen]
+    if missing:
+        return f"missing from tower(s) {', '.join(missing)}"
+    first = members[0]
+    for s in members[1:]:
+        for attr in ("op", "data_format", "dtype", "stat_dtype", "epsilon", "avg_factor"):
+            if getattr(s, attr) != getattr(first, attr):
+                return f"{attr} differs between towers ({getattr(first, attr)} vs {getattr(s, attr)})"
+        if len(s.grads) != len(first.grads):
+            return f"has {len(first.grads)} gradient op(s) in one tower and {len(s.grads)} in another"
+    return ""

@@ -1,0 +1,146 @@
+"""Building new NodeDefs inside one scope and on one device.
+
+Attribute values are given as plain Python values; `DType` wraps a TensorFlow data type so
+that `T=DType(DT_FLOAT)` is told apart from an integer attribute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from tensorflow.core.framework import attr_value_pb2, node_def_pb2, types_pb2
+from tensorflow.python.framework import tensor_util
+
+from bnrewrite.graph import Editor
+
+DT_FLOAT = types_pb2.DT_FLOAT
+DT_DOUBLE = types_pb2.DT_DOUBLE
+DT_HALF = types_pb2.DT_HALF
+DT_BFLOAT16 = types_pb2.DT_BFLOAT16
+DT_INT32 = types_pb2.DT_INT32
+DT_INT64 = types_pb2.DT_INT64
+
+#: Marks every node bnrewrite creates or replaces; its value names the layer.
+MARK = "_bnrewrite"
+
+
+@dataclass(frozen=True)
+class DType:
+    value: int
+
+
+def dtype_name(dtype: int) -> str:
+    return types_pb2.DataType.Name(dtype)[3:].lower()
+
+
+def set_attr(node: node_def_pb2.NodeDef, key: str, value: object) -> None:
+    attr = node.attr[key]
+    if isinstance(value, DType):
+        attr.type = value.value
+    elif isinstance(value, bool):
+        attr.b = value
+    elif isinstance(value, int):
+        attr.i = value
+    elif isinstance(value, float):
+        attr.f = value
+    elif isinstance(value, (str, bytes)):
+        attr.s = value.encode() if isinstance(value, str) else value
+    elif isinstance(value, list) and all(isinstance(v, DType) for v in value):
+        attr.list.type.extend(v.value for v in value)
+    elif isinstance(value, attr_value_pb2.AttrValue):
+        attr.CopyFrom(value)
+    else:
+        raise TypeError(f"unsupported attribute value for {key}: {value!r}")
+
+
+class Builder:
+    """Adds nodes named `<scope>/<name>` on `device` to an Editor, each carrying MARK."""
+
+    def __init__(self, editor: Editor, scope: str, device: str, layer: str) -> None:
+        self.editor = editor
+        self.scope = scope
+        self.device = device
+        self.layer = layer
+
+    def node(self, op: str, name: str, inputs: Sequence[str], **attrs: object) -> str:
+        """Add a node; returns its name (which is also its output-0 tensor)."""
+        node = node_def_pb2.NodeDef(op=op, name=self.editor.unique_name(f"{self.scope}/{name}"))
+        node.input.extend(inputs)
+        node.device = self.device
+        for key, value in attrs.items():
+            set_attr(node, key, value)
+        set_attr(node, MARK, self.layer)
+        self.editor.add(node)
+        return node.name
+
+    def const(self, name: str, value: object, dtype: type = np.int32) -> str:
+        array = np.asarray(value, dtype=dtype)
+        tensor = tensor_util.make_tensor_proto(array)
+        return self.node("Const", name, [], dtype=DType(tensor.dtype), value=_tensor_attr(tensor))
+
+    def cast(self, name: str, tensor: str, src: int, dst: int) -> str:
+        if src == dst:
+            return tensor
+        return self.node("Cast", name, [tensor], SrcT=DType(src), DstT=DType(dst), Truncate=False)
+
+    def binary(self, op: str, name: str, a: str, b: str, dtype: int) -> str:
+        return self.node(op, name, [a, b], T=DType(dtype))
+
+    def unary(self, op: str, name: str, a: str, dtype: int) -> str:
+        return self.node(op, name, [a], T=DType(dtype))
+
+    def reduce_sum(self, name: str, tensor: str, axes: str, dtype: int, keep_dims: bool) -> str:
+        return self.node("Sum", name, [tensor, axes], T=DType(dtype), Tidx=DType(DT_INT32), keep_dims=keep_dims)
+
+    def reshape(self, name: str, tensor: str, shape: str, dtype: int) -> str:
+        return self.node("Reshape", name, [tensor, shape], T=DType(dtype), Tshape=DType(DT_INT32))
+
+    def count(self, name: str, tensor: str, axes: str, tensor_dtype: int, dtype: int) -> str:
+        """Number of elements of `tensor` reduced per channel, as a [1] tensor of `dtype`."""
+        shape = self.node("Shape", f"{name}/shape", [tensor], T=DType(tensor_dtype), out_type=DType(DT_INT32))
+        zero = self.const(f"{name}/zero", 0)
+        picked = self.node(
+            "GatherV2", f"{name}/gather", [shape, axes, zero],
+            Tparams=DType(DT_INT32), Tindices=DType(DT_INT32), Taxis=DType(DT_INT32), batch_dims=0,
+        )
+        keep = self.const(f"{name}/axis", [0])
+        total = self.node("Prod", f"{name}/prod", [picked, keep], T=DType(DT_INT32), Tidx=DType(DT_INT32), keep_dims=True)
+        return self.cast(name, total, DT_INT32, dtype)
+
+    def split_count(self, name: str, packed: str, dtype: int) -> tuple[str, list[str]]:
+        """[n, a_1..a_C, b_1..b_C] -> (n as a scalar, [a, b]) after an all-reduce."""
+        begin0, end1, stride = self.const(f"{name}/begin", [0]), self.const(f"{name}/end", [1]), self.const(f"{name}/stride", [1])
+        n = self.node(
+            "StridedSlice", f"{name}/count", [packed, begin0, end1, stride],
+            T=DType(dtype), Index=DType(DT_INT32), shrink_axis_mask=1,
+            begin_mask=0, end_mask=0, ellipsis_mask=0, new_axis_mask=0,
+        )
+        rest = self.node(
+            "StridedSlice", f"{name}/rest", [packed, end1, end1, stride],
+            T=DType(dtype), Index=DType(DT_INT32), end_mask=1,
+            begin_mask=0, shrink_axis_mask=0, ellipsis_mask=0, new_axis_mask=0,
+        )
+        matrix = self.reshape(f"{name}/pairs", rest, self.const(f"{name}/pairs_shape", [2, -1]), dtype)
+        unpack = self.node("Unpack", f"{name}/unpack", [matrix], T=DType(dtype), num=2, axis=0)
+        return n, [unpack, f"{unpack}:1"]
+
+    def concat(self, name: str, tensors: Sequence[str], dtype: int) -> str:
+        axis = self.const(f"{name}/axis", 0)
+        return self.node("ConcatV2", name, [*tensors, axis], T=DType(dtype), N=len(tensors), Tidx=DType(DT_INT32))
+
+
+def identity_n(name: str, inputs: list[str], types: list[int], device: str, layer: str) -> node_def_pb2.NodeDef:
+    """An IdentityN that takes the place, and the name, of a replaced op: consumers keep reading it."""
+    node = node_def_pb2.NodeDef(op="IdentityN", name=name, device=device)
+    node.input.extend(inputs)
+    set_attr(node, "T", [DType(t) for t in types])
+    set_attr(node, MARK, layer)
+    return node
+
+
+def _tensor_attr(tensor: object) -> attr_value_pb2.AttrValue:
+    attr = attr_value_pb2.AttrValue()
+    attr.tensor.CopyFrom(tensor)
+    return attr

@@ -1,0 +1,33 @@
+"""The rewrite passes, in the order they run, and the loop that validates after each."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from bnrewrite.errors import GraphValidationError, PassError
+from bnrewrite.graph import Graph
+from bnrewrite.passes.dedupe_moving_averages import dedupe_moving_averages
+from bnrewrite.passes.order_collectives import order_collectives
+from bnrewrite.passes.record import PassRecord
+from bnrewrite.passes.sync_backward import sync_backward
+from bnrewrite.passes.sync_forward import sync_forward
+from bnrewrite.plan import Plan
+
+Pass = Callable[[Graph, Plan], tuple[Graph, PassRecord]]
+
+PIPELINE: tuple[Pass, ...] = (sync_forward, sync_backward, dedupe_moving_averages, order_collectives)
+
+
+def run_passes(graph: Graph, plan: Plan, passes: tuple[Pass, ...] = PIPELINE) -> tuple[Graph, list[PassRecord]]:
+    records = []
+    for step in passes:
+        start = time.perf_counter()
+        graph, record = step(graph, plan)
+        try:
+            graph.validate()
+        except GraphValidationError as exc:
+            raise PassError(f"pass {record.name} produced an invalid graph: {exc} (a bnrewrite bug; please report it)") from exc
+        record.seconds = time.perf_counter() - start
+        records.append(record)
+    return graph, records

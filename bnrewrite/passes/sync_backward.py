@@ -1,0 +1,89 @@
+"""Backward: the gradient ops of every synced layer give dx for the global batch.
+
+With x_hat = (x - mean) * rstd over the global batch of N examples,
+    dx = scale * rstd * (dy - sum(dy)/N - x_hat * sum(dy * x_hat)/N),
+where both sums run over every tower. Each tower sums dy and dy*(x - mean) locally, one
+all-reduce (which also carries the counts) adds them up, and the rest is elementwise.
+d(scale) and d(offset) stay tower-local: the graph already averages them across towers, and
+since every tower's dy is K times its share of the averaged loss, that average is exact.
+A FusedBatchNormGrad alone cannot do this: it treats the batch statistics as its own.
+The gradient op is replaced by an IdentityN of the same name, so its consumers are unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bnrewrite.collectives import all_reduce
+from bnrewrite.graph import Editor, Graph
+from bnrewrite.match.sites import Site
+from bnrewrite.nodes import DT_FLOAT, Builder, identity_n
+from bnrewrite.passes.record import PassRecord
+from bnrewrite.passes.sync_forward import layer_scope
+from bnrewrite.plan import Plan
+
+F = DT_FLOAT
+
+
+def sync_backward(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
+    record = PassRecord("sync_backward")
+    editor = graph.edit()
+    before = len(graph)
+    for layer, group in enumerate(plan.groups):
+        for tower, site in zip(plan.towers.ids, group.sites):
+            for j, grad in enumerate(site.grads):
+                reduce_name = _rewrite_grad(editor, graph, grad, site, plan, layer, j + 1, tower, group.key)
+                record.replaced.append(grad)
+                record.collectives.append(reduce_name)
+    result = editor.finish()
+    record.added = len(result) - before
+    return result, record
+
+
+def broadcast_shape(site: Site) -> list[int]:
+    """Shape that lines a per-channel [C] vector up with the data."""
+    shape = [1] * len(site.data_format)
+    shape[site.channel_axis] = -1
+    return shape
+
+
+def _rewrite_grad(
+    editor: Editor, graph: Graph, grad: str, site: Site, plan: Plan, layer: int, phase: int, tower: str, key: str
+) -> str:
+    node = graph.node(grad)
+    dy, x, scale, saved_mean, saved_rstd = node.input[:5]
+    controls = [i for i in node.input if i.startswith("^")]
+    b = Builder(editor, layer_scope(editor, grad, "sync_bn_grad"), node.device, key)
+    T, U = site.dtype, site.stat_dtype
+    axes = b.const("axes", site.reduce_axes)
+    shape = b.const("channel_shape", broadcast_shape(site))
+
+    dyf = b.cast("dy_float", dy, T, F)
+    xf = b.cast("x_float", x, T, F)
+    mean = b.cast("mean", saved_mean, U, F)
+    rstd = b.cast("rstd", saved_rstd, U, F)
+    centred = b.binary("Sub", "centred", xf, b.reshape("mean_b", mean, shape, F), F)
+    sum_dy = b.reduce_sum("sum_dy", dyf, axes, F, False)
+    sum_dy_xc = b.reduce_sum("sum_dy_xc", b.binary("Mul", "dy_xc", dyf, centred, F), axes, F, False)
+    packed = b.concat("sums", [b.count("count", x, axes, T, F), sum_dy, sum_dy_xc], F)
+    reduce_name = all_reduce(b, "all_reduce", packed, F, plan.collective(layer, phase, tower))
+
+    total, (gsum_dy, gsum_dy_xc) = b.split_count("global", reduce_name, F)
+    total_safe = b.binary("Maximum", "count_safe", total, b.const("one", 1.0, np.float32), F)
+    mean_dy = b.binary("RealDiv", "mean_dy", gsum_dy, total_safe, F)
+    rstd_sq = b.binary("Mul", "rstd_sq", rstd, rstd, F)
+    proj = b.binary("RealDiv", "projection", b.binary("Mul", "dy_xc_rstd_sq", gsum_dy_xc, rstd_sq, F), total_safe, F)
+    gain = b.binary("Mul", "gain", b.cast("scale", scale, U, F), rstd, F)
+    inner = b.binary(
+        "Sub", "dy_minus_proj",
+        b.binary("Sub", "dy_minus_mean", dyf, b.reshape("mean_dy_b", mean_dy, shape, F), F),
+        b.binary("Mul", "xc_proj", centred, b.reshape("projection_b", proj, shape, F), F),
+        F,
+    )
+    dx = b.cast("dx", b.binary("Mul", "dx_float", inner, b.reshape("gain_b", gain, shape, F), F), F, T)
+    dscale = b.cast("dscale", b.binary("Mul", "dscale_float", sum_dy_xc, rstd, F), F, U)
+    doffset = b.cast("doffset", sum_dy, F, U)
+    empty = b.cast("empty", b.const("empty_float", np.zeros([0], np.float32), np.float32), F, U)
+    outputs = [dx, dscale, doffset, empty, empty]
+    editor.replace(identity_n(grad, outputs + controls, [T, U, U, U, U], node.device, key))
+    return reduce_name

@@ -1,0 +1,69 @@
+"""The plan every pass follows: towers, layer groups, sync groups, backend and collective keys.
+
+It is computed once from the input graph (matching), so that passes stay small and the
+keys of a layer are the same in every pass and on every worker that rewrites the same graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from bnrewrite.collectives import Collective, choose_backend
+from bnrewrite.errors import BnRewriteError
+from bnrewrite.graph import Graph
+from bnrewrite.match.sites import Census
+from bnrewrite.match.towers import LayerGroup, Towers, group_towers
+from bnrewrite.match.updates import find_updates
+
+#: Instance keys of one layer: 0 is the forward all-reduce, 1.. its gradients.
+KEYS_PER_LAYER = 16
+_STATISTICS = {1: "mean", 2: "variance"}
+
+
+@dataclass(frozen=True)
+class Options:
+    """How to rewrite; the keyword arguments of `rewrite_graph`."""
+
+    backend: str = "auto"
+    tower_by: str = "auto"
+    group_size: int | None = None
+    timeout_seconds: float = 0.0
+    group_key_base: int = 0x5B00
+    instance_key_base: int = 0x5B0000
+
+
+@dataclass(frozen=True)
+class Plan:
+    towers: Towers
+    backend: str
+    sync_groups: tuple[tuple[str, ...], ...]
+    options: Options
+
+    @property
+    def groups(self) -> tuple[LayerGroup, ...]:
+        return self.towers.groups
+
+    def collective(self, layer: int, phase: int, tower: str) -> Collective:
+        """Keys of the all-reduce `phase` (0 forward, j+1 gradient j) of `layer` for `tower`."""
+        index = next(i for i, members in enumerate(self.sync_groups) if tower in members)
+        return Collective(
+            backend=self.backend,
+            group_size=len(self.sync_groups[index]),
+            group_key=self.options.group_key_base + index,
+            instance_key=self.options.instance_key_base + layer * KEYS_PER_LAYER + phase,
+            timeout_seconds=self.options.timeout_seconds,
+        )
+
+
+def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
+    towers = group_towers(graph, census.sites, options.tower_by)
+    size = options.group_size or len(towers.ids)
+    if size < 2 or len(towers.ids) % size:
+        raise BnRewriteError(f"group size {size} must be at least 2 and divide the number of towers ({len(towers.ids)})")
+    sync_groups = tuple(towers.ids[i:i + size] for i in range(0, len(towers.ids), size))
+    backend = choose_backend(options.backend, [group.sites[i].device for group in towers.groups[:1] for i in range(len(towers.ids))])
+    groups = tuple(
+        LayerGroup(g.key, tuple(replace(s, updates=find_updates(graph, s.name, _STATISTICS)) for s in g.sites))
+        for g in towers.groups
+    )
+    return Plan(replace(towers, groups=groups), backend, sync_groups, options)

@@ -1,0 +1,90 @@
+"""What a rewrite found, changed, removed and skipped, as text for people and a dict for tools.
+
+`to_dict()` follows `SCHEMA_VERSION`; see README.md ("Report schema") for the fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class LayerRow:
+    layer: str
+    op: str
+    data_format: str
+    dtype: str
+    towers: list[str]
+    sites: list[str]
+    gradients: list[str]
+    collectives: int
+    sync_groups: list[list[str]]
+    updates_kept: list[str]
+
+
+@dataclass
+class Report:
+    backend: str = ""
+    tower_by: str = ""
+    towers: list[str] = field(default_factory=list)
+    sync_groups: list[list[str]] = field(default_factory=list)
+    layers: list[LayerRow] = field(default_factory=list)
+    removed: list[dict[str, str]] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    passes: list[dict[str, object]] = field(default_factory=list)
+    nodes_before: int = 0
+    nodes_after: int = 0
+    already_rewritten: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def collectives(self) -> int:
+        return sum(row.collectives for row in self.layers)
+
+    def to_dict(self) -> dict[str, object]:
+        data = asdict(self)
+        data["schema_version"] = SCHEMA_VERSION
+        data["totals"] = {
+            "layers_synced": len(self.layers),
+            "collectives_added": self.collectives,
+            "ops_removed": len(self.removed),
+            "sites_skipped": len(self.skipped),
+            "nodes_before": self.nodes_before,
+            "nodes_after": self.nodes_after,
+        }
+        return data
+
+    def __str__(self) -> str:
+        if self.already_rewritten:
+            return "already rewritten by bnrewrite: nothing changed\n" + "".join(f"  {n}\n" for n in self.notes)
+        lines = [
+            f"bnrewrite: {len(self.layers)} batch-norm layer(s) synchronized across {len(self.towers)} towers "
+            f"({', '.join(self.towers)}; told apart by {self.tower_by}), backend {self.backend}",
+        ]
+        if len(self.sync_groups) > 1:
+            lines.append("sync groups: " + "; ".join("[" + ", ".join(g) + "]" for g in self.sync_groups))
+        if self.layers:
+            lines.append("")
+            header = ("layer", "op", "format", "dtype", "grads/tower", "all-reduces")
+            rows = [(r.layer, r.op, r.data_format, r.dtype, str(len(r.gradients) // max(len(r.towers), 1)), str(r.collectives)) for r in self.layers]
+            widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+            for row in (header, *rows):
+                lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if self.removed:
+            lines.append("")
+            lines.append(f"removed {len(self.removed)} op(s):")
+            lines.extend(f"  {r['node']}: {r['why']}" for r in self.removed)
+        if self.skipped:
+            lines.append("")
+            lines.append(f"skipped {len(self.skipped)} site(s):")
+            lines.extend(f"  {s['node']}: {s['reason']}" for s in self.skipped)
+        lines.extend(f"note: {n}" for n in self.notes)
+        lines.append("")
+        lines.append(
+            f"totals: {len(self.layers)} layers, {self.collectives} all-reduces added, "
+            f"{len(self.removed)} ops removed, {len(self.skipped)} sites skipped, "
+            f"{self.nodes_before} -> {self.nodes_after} nodes"
+        )
+        return "\n".join(lines) + "\n"
