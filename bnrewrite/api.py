@@ -32,6 +32,8 @@ def rewrite_graph(
     tower_by: str = "auto",
     group_size: int | None = None,
     timeout_seconds: float = 0.0,
+    num_workers: int = 1,
+    task_index: int = 0,
     if_rewritten: str = "error",
 ) -> RewriteResult:
     """Synchronize batch norm across the towers of a replicated training graph.
@@ -41,6 +43,9 @@ def rewrite_graph(
     tower_by: "auto", "device" (one tower per device) or "scope" (one per top-level name scope).
     group_size: synchronize towers in consecutive groups of this many (default: all towers).
     timeout_seconds: CollectiveReduceV2's timeout, so a missing peer fails instead of hanging.
+    num_workers, task_index: between-graph replication: this graph is worker `task_index` of
+        `num_workers` identical workers; every all-reduce then spans all workers' towers
+        (collective backend; keys are the same on every worker because the graphs are).
     if_rewritten: "error" raises AlreadyRewrittenError on a graph bnrewrite already rewrote;
         "keep" returns it unchanged with a report saying so.
     """
@@ -70,11 +75,16 @@ def rewrite_graph(
             "no batch-norm op found (FusedBatchNorm, FusedBatchNormV2/V3); nothing to synchronize"
             + (f" ({len(census.skips)} unsupported: {census.skips[0].reason})" if census.skips else "")
         )
-    options = Options(backend=backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds)
+    options = Options(
+        backend=backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds,
+        num_workers=num_workers, task_index=task_index,
+    )
     plan = make_plan(model, census, options)
     rewritten, records = run_passes(model, plan)
     out_def = rewritten.to_graph_def()
     report = _report(plan, records, census, len(model), len(rewritten))
+    if num_workers > 1:
+        report.notes.append(f"worker {task_index} of {num_workers}: every all-reduce spans all workers' towers")
     removed = {r["node"] for r in report.removed}
     return RewriteResult(out_def, _rewrite_meta(meta, out_def, removed) if meta is not None else None, report)
 

@@ -28,19 +28,24 @@ class Collective:
     group_key: int
     instance_key: int
     timeout_seconds: float = 0.0
+    hint: str = "auto"
 
     @property
     def shared_name(self) -> str:
         return f"bnrewrite_g{self.group_key}_i{self.instance_key}"
 
 
-def choose_backend(backend: str, devices: list[Device]) -> str:
-    """'auto' picks NCCL when every tower is a GPU; checks that the devices allow the choice."""
+def choose_backend(backend: str, devices: list[Device], num_workers: int = 1) -> str:
+    """'auto' picks NCCL when every tower is a GPU (and one worker); checks the devices allow it.
+
+    NcclAllReduce only reaches devices of one process: across workers the collective runtime
+    is used, with communication hint "nccl" on GPUs.
+    """
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     on_gpu = all(d.type == "GPU" for d in devices)
     if backend == "auto":
-        backend = "nccl" if on_gpu else "collective"
+        backend = "nccl" if on_gpu and num_workers == 1 else "collective"
     if backend == "nccl" and not on_gpu:
         others = sorted({str(d) or "(no device)" for d in devices if d.type != "GPU"})
         raise BackendError(f"backend nccl needs every tower on a GPU, but towers sit on {', '.join(others)}; use --backend collective")
@@ -64,7 +69,7 @@ def all_reduce(builder: Builder, name: str, tensor: str, dtype: int, key: Collec
     instance = builder.const(f"{name}/instance_key", key.instance_key)
     return builder.node(
         "CollectiveReduceV2", name, [tensor, size, group, instance], T=DType(dtype),
-        merge_op="Add", final_op="Id", communication_hint="auto", timeout_seconds=float(key.timeout_seconds),
+        merge_op="Add", final_op="Id", communication_hint=key.hint, timeout_seconds=float(key.timeout_seconds),
         is_stateless=False, Nordering_token=0, max_subdivs_per_device=-1, **{INSTANCE_ATTR: key.instance_key},
     )
 

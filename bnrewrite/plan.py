@@ -28,6 +28,8 @@ class Options:
     tower_by: str = "auto"
     group_size: int | None = None
     timeout_seconds: float = 0.0
+    num_workers: int = 1
+    task_index: int = 0
     group_key_base: int = 0x5B00
     instance_key_base: int = 0x5B0000
 
@@ -48,20 +50,32 @@ class Plan:
         index = next(i for i, members in enumerate(self.sync_groups) if tower in members)
         return Collective(
             backend=self.backend,
-            group_size=len(self.sync_groups[index]),
+            group_size=len(self.sync_groups[index]) * self.options.num_workers,
             group_key=self.options.group_key_base + index,
             instance_key=self.options.instance_key_base + layer * KEYS_PER_LAYER + phase,
             timeout_seconds=self.options.timeout_seconds,
+            hint="nccl" if self.options.num_workers > 1 and self.on_gpu else "auto",
         )
+
+    @property
+    def on_gpu(self) -> bool:
+        return all(site.device.type == "GPU" for site in self.groups[0].sites)
 
 
 def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
-    towers = group_towers(graph, census.sites, options.tower_by)
+    towers = group_towers(graph, census.sites, options.tower_by, min_towers=1 if options.num_workers > 1 else 2)
     size = options.group_size or len(towers.ids)
-    if size < 2 or len(towers.ids) % size:
+    if options.num_workers < 1 or not 0 <= options.task_index < options.num_workers:
+        raise BnRewriteError(f"task index {options.task_index} is not one of the {options.num_workers} workers")
+    if options.num_workers > 1 and size != len(towers.ids):
+        raise BnRewriteError("sync groups within a worker cannot be combined with several workers; drop group_size")
+    if options.num_workers > 1 and options.backend == "nccl":
+        raise BnRewriteError("NcclAllReduce works inside one process; with several workers use backend collective")
+    if size * options.num_workers < 2 or len(towers.ids) % size:
         raise BnRewriteError(f"group size {size} must be at least 2 and divide the number of towers ({len(towers.ids)})")
     sync_groups = tuple(towers.ids[i:i + size] for i in range(0, len(towers.ids), size))
-    backend = choose_backend(options.backend, [group.sites[i].device for group in towers.groups[:1] for i in range(len(towers.ids))])
+    devices = [site.device for site in towers.groups[0].sites]
+    backend = choose_backend(options.backend, devices, options.num_workers)
     groups = tuple(
         LayerGroup(g.key, tuple(replace(s, updates=find_updates(graph, s.name, _STATISTICS)) for s in g.sites))
         for g in towers.groups

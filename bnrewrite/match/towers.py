@@ -54,7 +54,7 @@ def choose_tower_by(sites: list[Site], by: str) -> str:
     return "device" if len(devices) >= 2 else "scope"
 
 
-def group_towers(graph: Graph, sites: list[Site], by: str = "auto") -> Towers:
+def group_towers(graph: Graph, sites: list[Site], by: str = "auto", min_towers: int = 2) -> Towers:
     """Assign every site a tower and group the copies of each layer.
 
     Groups that do not have exactly one copy in every tower, or whose copies differ in
@@ -63,7 +63,7 @@ def group_towers(graph: Graph, sites: list[Site], by: str = "auto") -> Towers:
     by = choose_tower_by(sites, by)
     tower = {s.name: tower_of(s, by) for s in sites}
     ids = sorted(set(tower.values()), key=_natural)
-    if len(ids) < 2:
+    if len(ids) < min_towers or not ids:
         where = f"device {ids[0]}" if by == "device" and ids else f"scope {ids[0]!r}" if ids else "nowhere"
         raise NoTowersError(
             f"training batch norm found in only one tower ({where}, told apart by {by}); "
