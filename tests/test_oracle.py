@@ -1,0 +1,52 @@
+"""The oracle: a rewritten K-tower graph trains exactly like one device fed all K*B examples.
+
+Every case also trains the un-rewritten graph and checks that it does NOT match, so the
+comparison is able to fail.
+"""
+
+import pytest
+
+from bnrewrite import rewrite_graph
+from models import Spec, build_reference, build_towers, make_batches, max_rel_error, rel_errors, train
+
+STEPS = 3
+#: Float32 graphs that are mathematically equal differ by ~1e-6; half precision rounds BN's
+#: input and output to 11 (float16) or 8 (bfloat16) bits, so its bound is that rounding.
+TOLERANCE = {"float32": 2e-4, "float16": 2e-3, "bfloat16": 2e-2}
+UNSYNCED_AT_LEAST = 1e-2
+
+CASES = [
+    Spec(towers=2, layer="legacy", data_format="NHWC"),
+    Spec(towers=4, layer="legacy", data_format="NHWC"),
+    Spec(towers=2, layer="legacy", data_format="NCHW"),
+    Spec(towers=4, layer="legacy", data_format="NCHW"),
+    Spec(towers=2, layer="fused_op", data_format="NHWC"),
+    Spec(towers=4, layer="fused_op", data_format="NCHW"),
+    Spec(towers=2, layer="fused_op", data_format="NHWC", dtype="float16"),
+    Spec(towers=4, layer="legacy", data_format="NHWC", dtype="float16"),
+    Spec(towers=2, layer="fused_op", data_format="NCHW", dtype="bfloat16"),
+]
+
+
+def _case_id(spec: Spec) -> str:
+    return f"K{spec.towers}-{spec.layer}-{spec.data_format}-{spec.dtype}"
+
+
+def run_oracle(spec: Spec, **options) -> tuple[float, float, dict]:
+    """(synced error, unsynced error, per-quantity synced errors) against the reference."""
+    built = build_towers(spec)
+    result = rewrite_graph(built.graph, **options)
+    data = make_batches(spec, STEPS)
+    ref = build_reference(spec)
+    expected = train(ref.graph, ref, data, num_devices=1)
+    synced = train(result.graph_def, built, data, num_devices=spec.towers)
+    unsynced = train(built.graph, built, data, num_devices=spec.towers)
+    return max_rel_error(synced, expected), max_rel_error(unsynced, expected), rel_errors(synced, expected)
+
+
+@pytest.mark.parametrize("spec", CASES, ids=_case_id)
+def test_rewritten_towers_train_like_one_device(spec):
+    synced, unsynced, detail = run_oracle(spec, backend="collective")
+    print(f"{_case_id(spec)}: synced {synced:.2e}, unsynced {unsynced:.2e}")
+    assert unsynced > UNSYNCED_AT_LEAST, "the un-rewritten graph matched: this oracle cannot fail"
+    assert synced <= TOLERANCE[spec.dtype], detail
