@@ -1,6 +1,10 @@
-"""bnrewrite: synchronized batch norm for replicated multi-tower TensorFlow graphs, as a rewrite."""
+"""bnrewrite: synchronized batch norm for replicated multi-tower TensorFlow graphs, as a rewrite.
 
-from bnrewrite.api import RewriteResult, rewrite_graph
+`rewrite_graph` and `RewriteResult` are imported on first use (PEP 562), so that
+`import bnrewrite` and `bnrewrite --help` do not pay for importing TensorFlow, and the
+command line can quiet TensorFlow's import-time logging before it happens.
+"""
+
 from bnrewrite.errors import (
     AlreadyRewrittenError,
     BackendError,
@@ -32,3 +36,17 @@ __all__ = [
     "TowerMismatchError",
     "rewrite_graph",
 ]
+
+_LAZY = {"rewrite_graph", "RewriteResult"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        from bnrewrite import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'bnrewrite' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _LAZY)
