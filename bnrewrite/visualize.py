@@ -1,0 +1,321 @@
+"""Pictures and comparisons of a rewrite: Graphviz DOT of one layer before/after, TensorBoard
+graph runs, and the node-level diff behind `bnrewrite diff`.
+
+The DOT picture holds, for the first two towers of one layer: before, the batch-norm op, its
+gradient ops and moving-average updates with their direct inputs and consumers; after, every
+node bnrewrite added or replaced for that layer (its `_bnrewrite` attribute names the layer)
+with their direct inputs and consumers, the all-reduces highlighted, and the ops the rewrite
+removed drawn dashed.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shutil
+import subprocess
+from collections import Counter, defaultdict
+from typing import Any, Iterable
+
+from bnrewrite.errors import BnRewriteError, OutputError
+
+MARK = "_bnrewrite"  # = bnrewrite.nodes.MARK (not imported: that module imports TensorFlow)
+COLLECTIVE_OPS = frozenset({"NcclAllReduce", "CollectiveReduceV2"})  # = bnrewrite.collectives
+INSTANCE_ATTR = "_bnrewrite_instance"
+_RENDERED = {".svg": "svg", ".png": "png", ".pdf": "pdf"}
+_TOWERS_SHOWN = 2
+
+
+# ---------------------------------------------------------------------------
+# diff
+# ---------------------------------------------------------------------------
+
+
+def _mark(node: Any) -> str | None:
+    if MARK not in node.attr:
+        return None
+    value = node.attr[MARK].s
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _layer_of(name: str, layers: Iterable[str]) -> str | None:
+    """The layer whose name appears as whole path components in `name` (longest first)."""
+    padded = f"/{name}/"
+    for layer in sorted(layers, key=len, reverse=True):
+        if f"/{layer}/" in padded:
+            return layer
+    return None
+
+
+def diff_entries(a: Any, b: Any) -> dict[str, Any]:
+    """Differences between GraphDefs a and b: op counts, nodes, and per-layer rewrite changes."""
+    nodes_a = {n.name: n for n in a.node}
+    nodes_b = {n.name: n for n in b.node}
+    counts_a, counts_b = Counter(n.op for n in a.node), Counter(n.op for n in b.node)
+    ops = sorted(set(counts_a) | set(counts_b), key=lambda op: (-abs(counts_b[op] - counts_a[op]), op))
+    op_counts = {op: [counts_a[op], counts_b[op]] for op in ops if counts_a[op] != counts_b[op]}
+    added = [n for n in nodes_b if n not in nodes_a]
+    removed = [n for n in nodes_a if n not in nodes_b]
+    changed = [n for n in nodes_b if n in nodes_a and nodes_a[n] != nodes_b[n]]
+
+    marks_b = {n: _mark(node) for n, node in nodes_b.items()}
+    marks_a = {n: _mark(node) for n, node in nodes_a.items()}
+    layers_seen = {m for m in (*marks_a.values(), *marks_b.values()) if m}
+    rows: dict[str, dict[str, Any]] = {
+        layer: {"added": 0, "replaced": 0, "replaced_ops": Counter(), "removed": 0, "collectives": 0}
+        for layer in sorted(layers_seen)
+    }
+    other = {"added": 0, "removed": 0, "changed": 0}
+    for name in added:
+        layer = marks_b[name]
+        if layer:
+            rows[layer]["added"] += 1
+            rows[layer]["collectives"] += nodes_b[name].op in COLLECTIVE_OPS
+        else:
+            other["added"] += 1
+    for name in changed:
+        layer = marks_b[name]
+        if layer and not marks_a[name]:
+            rows[layer]["replaced"] += 1
+            rows[layer]["replaced_ops"][nodes_a[name].op] += 1
+        else:
+            other["changed"] += 1
+    for name in removed:
+        layer = marks_a[name] or _layer_of(name, layers_seen)
+        if layer:
+            rows[layer]["removed"] += 1
+        else:
+            other["removed"] += 1
+    for row in rows.values():
+        row["replaced_ops"] = dict(sorted(row["replaced_ops"].items()))
+    return {
+        "nodes_a": len(nodes_a), "nodes_b": len(nodes_b), "op_counts": op_counts,
+        "added": added, "removed": removed, "changed": changed, "layers": rows, "unattributed": other,
+    }
+
+
+# ---------------------------------------------------------------------------
+# DOT
+# ---------------------------------------------------------------------------
+
+
+def check_target(path: str) -> None:
+    """Fail early when the picture's format needs Graphviz and it is not installed."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext in _RENDERED and shutil.which("dot") is None:
+        raise OutputError(
+            f"--dot {path} needs Graphviz's 'dot' program to render {ext[1:].upper()}, and it is not installed; "
+            f"write {os.path.splitext(path)[0]}.dot instead and render it with 'dot -T{_RENDERED[ext]}'"
+        )
+
+
+def stage(outputs: Any, path: str, rewrite: Any, layer: str | None) -> str:
+    """Stage the picture of `layer` (default: the first rewritten one); returns a note."""
+    outcome, row = _pick_layer(rewrite, layer)
+    text = layer_dot(outcome.entry.graph_def, outcome.result.graph_def, outcome.report, row.layer)
+    ext = os.path.splitext(path)[1].lower()
+    if ext in _RENDERED:
+        try:
+            rendered = subprocess.run(["dot", f"-T{_RENDERED[ext]}"], input=text.encode(), capture_output=True,
+                                      check=True, timeout=120).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise OutputError(f"Graphviz could not render {path} ({exc}); write a .dot file instead") from None
+        outputs.stage_bytes(path, rendered)
+        return f"{path}: layer {row.layer} before/after"
+    outputs.stage_bytes(path, text.encode())
+    render = "render it with" if shutil.which("dot") else "Graphviz is not installed here; render it elsewhere with"
+    return f"{path}: layer {row.layer} before/after as Graphviz DOT text; {render} 'dot -Tsvg {path} -o layer.svg'"
+
+
+def _pick_layer(rewrite: Any, layer: str | None) -> tuple[Any, Any]:
+    rows = [(o, r) for o in rewrite.outcomes if o.report is not None and o.result is not None for r in o.report.layers]
+    if not rows:
+        raise BnRewriteError("--dot: no layer was rewritten, so there is nothing to draw")
+    if layer is None:
+        return rows[0]
+    for outcome, row in rows:
+        if row.layer == layer:
+            return outcome, row
+    names = ", ".join(dict.fromkeys(r.layer for _, r in rows))
+    raise BnRewriteError(f"--dot-layer {layer!r} is not a rewritten layer; choose one of {names}")
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def _short(name: str, prefix: str) -> str:
+    short = name[len(prefix) + 1:] if prefix and name.startswith(prefix + "/") else name
+    return short if len(short) <= 48 else "..." + short[-45:]
+
+
+def layer_dot(before: Any, after: Any, report: Any, layer: str) -> str:
+    """Graphviz DOT of `layer` before and after the rewrite (two clusters)."""
+    row = next(r for r in report.layers if r.layer == layer)
+    k_shown = min(_TOWERS_SHOWN, len(row.sites))
+    per = len(row.gradients) // max(len(row.towers), 1)
+
+    def roots(towers: range) -> list[str]:
+        found = [posixpath.dirname(row.sites[k]) for k in towers]
+        found += [posixpath.dirname(g) for k in towers for g in row.gradients[k * per:(k + 1) * per]]
+        return [r for r in found if r]
+
+    first, shown_towers = roots(range(1)), roots(range(k_shown))
+
+    def under(name: str, prefixes: list[str]) -> bool:
+        return any(name == r or name.startswith(r + "/") for r in prefixes)
+
+    nodes_a = {n.name: n for n in before.node}
+    nodes_b = {n.name: n for n in after.node}
+    removed = {r["node"]: r["why"] for r in report.removed if under(r["node"], shown_towers)}
+    core_a = list(row.sites[:k_shown]) + [g for k in range(k_shown) for g in row.gradients[k * per:(k + 1) * per]]
+    core_a += [u for u in row.updates_kept if under(u, shown_towers)] + [n for n in removed if n in nodes_a]
+    # After: the whole rewrite of the first tower; of the others, their all-reduces (the peers).
+    core_b = [
+        n for n, node in nodes_b.items()
+        if _mark(node) == layer and (under(n, first) or (node.op in COLLECTIVE_OPS and under(n, shown_towers)))
+    ]
+    towers = ", ".join(row.towers[:k_shown]) + (f" (of {len(row.towers)})" if len(row.towers) > k_shown else "")
+    title = f"bnrewrite: layer {layer}, towers {towers}; backend {report.backend}"
+    lines = [
+        "digraph bnrewrite {",
+        "  rankdir=TB; compound=true; newrank=true;",
+        '  node [shape=box, style="rounded,filled", fillcolor=white, fontname="Helvetica", fontsize=10];',
+        '  edge [color="#555555", arrowsize=0.6];',
+        f"  label={_quote(title)};",
+        "  labelloc=t;",
+    ]
+    lines += _cluster("before", f"before: {row.op}, its gradient and moving-average updates, per tower",
+                      nodes_a, core_a, removed={}, status=lambda n: "core")
+    lines += _cluster("after", f"after ({row.towers[0]} in full; other towers: their all-reduces): "
+                      "global-batch statistics; removed ops dashed",
+                      nodes_b, core_b, removed=removed, removed_from={n: nodes_a[n].input for n in removed if n in nodes_a},
+                      status=lambda n: "collective" if nodes_b[n].op in COLLECTIVE_OPS else "replaced" if n in nodes_a else "added")
+    lines += _peer_edges(nodes_b, core_b)
+    lines += [
+        '  subgraph cluster_legend { label="legend"; fontsize=10; color="#bbbbbb";',
+        '    legend_core [label="batch norm / gradient / update (before)", fillcolor="#ffe8a3"];',
+        '    legend_added [label="added by bnrewrite", fillcolor="#d8f3dc"];',
+        '    legend_replaced [label="replaced (same name, IdentityN)", fillcolor="#a8dadc"];',
+        '    legend_collective [label="all-reduce", fillcolor="#f4a261", shape=box3d];',
+        '    legend_removed [label="removed", style="dashed,rounded", color="#d62828", fontcolor="#d62828"];',
+        '    legend_context [label="unchanged neighbour", color="#999999", fontcolor="#777777"];',
+        "  }",
+        "}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _peer_edges(nodes: dict[str, Any], names: list[str]) -> list[str]:
+    """Dashed links between the all-reduces of one instance (the towers they join)."""
+    by_instance: dict[int, list[str]] = defaultdict(list)
+    for name in names:
+        node = nodes[name]
+        if node.op in COLLECTIVE_OPS and INSTANCE_ATTR in node.attr:
+            by_instance[node.attr[INSTANCE_ATTR].i].append(name)
+    lines = []
+    for members in by_instance.values():
+        for a, b in zip(members, members[1:]):
+            lines.append(f'  {_quote("after:" + a)} -> {_quote("after:" + b)} '
+                         '[dir=both, style=dashed, color="#e76f51", constraint=false, label="all-reduce", fontsize=8];')
+    return lines
+
+
+_STYLE = {
+    "core": 'fillcolor="#ffe8a3"',
+    "added": 'fillcolor="#d8f3dc"',
+    "replaced": 'fillcolor="#a8dadc", penwidth=2',
+    "collective": 'fillcolor="#f4a261", shape=box3d, penwidth=2',
+    "removed": 'style="dashed,rounded", color="#d62828", fontcolor="#d62828"',
+    "context": 'color="#999999", fontcolor="#777777"',
+}
+
+
+def _why(why: str) -> str:
+    if why.startswith("duplicate update"):
+        return "duplicate update (" + why.split(";")[0].rsplit(" ", 1)[-1] + ")"
+    if why.startswith("only fed"):
+        return "only fed removed ops"
+    return why[:40]
+
+
+def _cluster(tag: str, title: str, nodes: dict[str, Any], core: list[str], removed: dict[str, str], status: Any,
+             removed_from: dict[str, Any] | None = None) -> list[str]:
+    from bnrewrite.graph import parse_input  # noqa: PLC0415 - keeps this module TensorFlow-free at import
+
+    core_set = dict.fromkeys(n for n in core if n in nodes)
+    consumers: dict[str, list[tuple[str, bool]]] = defaultdict(list)
+    for node in nodes.values():
+        for spec in node.input:
+            src, out = parse_input(spec)
+            consumers[src].append((node.name, out < 0))
+    context: dict[str, None] = {}
+    for name in core_set:
+        for spec in nodes[name].input:
+            src, _ = parse_input(spec)
+            if src in nodes and src not in core_set:
+                context[src] = None
+        for consumer, _ in consumers.get(name, ()):
+            if consumer not in core_set:
+                context[consumer] = None
+    everything = {**core_set, **context}
+    prefix = os.path.commonprefix([n for n in core_set]).rsplit("/", 1)[0] if len(core_set) > 1 else ""
+    ident = lambda name: _quote(f"{tag}:{name}")  # noqa: E731
+    lines = [f"  subgraph cluster_{tag} {{", f"    label={_quote(title)}; fontsize=12; color=\"#888888\";"]
+    for name in everything:
+        kind = status(name) if name in core_set else "context"
+        label = f"{_short(name, prefix)}\n{nodes[name].op}"
+        lines.append(f"    {ident(name)} [label={_quote(label)}, {_STYLE[kind]}];")
+    for name, why in removed.items():
+        label = f"{_short(name, prefix)}\nremoved: {_why(why)}"
+        lines.append(f"    {ident(name)} [label={_quote(label)}, {_STYLE['removed']}];")
+        for spec in (removed_from or {}).get(name, ()):
+            src, out = parse_input(spec)
+            if src in removed or src in everything:
+                lines.append(f"    {ident(src)} -> {ident(name)} [style=dashed, color=\"#d62828\"];")
+    for name in everything:
+        for spec in nodes[name].input:
+            src, out = parse_input(spec)
+            if src in everything:
+                style = ' [style=dashed, color="#aaaaaa"]' if out < 0 else ""
+                lines.append(f"    {ident(src)} -> {ident(name)}{style};")
+    lines.append("  }")
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# TensorBoard
+# ---------------------------------------------------------------------------
+
+
+def stage_tensorboard(outputs: Any, logdir: str, rewrite: Any) -> None:
+    """Runs LOGDIR/before and LOGDIR/after (one subdirectory per MetaGraph of a SavedModel)."""
+    graphs = [(o.entry, o.result) for o in rewrite.outcomes if o.result is not None]
+    if not graphs:
+        raise BnRewriteError("--tensorboard: no graph was rewritten, so there is nothing to show")
+    outputs.make_dir(logdir)
+    for run, pick in (("before", 0), ("after", 1)):
+        def build(directory: str, pick: int = pick) -> None:
+            for pair in graphs:
+                entry = pair[0]
+                where = directory if entry.tags is None else os.path.join(directory, "_".join(entry.tags) or "untagged")
+                _write_events(where, pair[pick].graph_def)
+        outputs.stage_dir(os.path.join(logdir, run), build)
+
+
+def _write_events(directory: str, graph_def: Any) -> None:
+    import logging
+
+    import tensorflow as tf
+
+    os.makedirs(directory, exist_ok=True)
+    logger = logging.getLogger("tensorflow")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # "Passing a GraphDef to the SummaryWriter is deprecated"
+    try:
+        with tf.Graph().as_default():
+            writer = tf.compat.v1.summary.FileWriter(directory, graph_def=graph_def)
+            writer.flush()
+            writer.close()
+    finally:
+        logger.setLevel(level)
