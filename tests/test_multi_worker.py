@@ -1,0 +1,75 @@
+"""Between-graph replication: 2 worker processes x 2 towers, synced over TF's gRPC collectives.
+
+2 workers x 2 towers x B examples, each worker's graph rewritten with
+rewrite_graph(num_workers=2, task_index=i, backend="collective"), must train like one
+device with 4*B examples; without the rewrite (but with the same cross-worker gradient
+averaging) it must not. A missing worker must make the other fail within a bounded time.
+
+Every test starts its own worker processes on loopback ports it picked
+(examples/multi_worker.launch), bounds every wait and kills what is left.
+"""
+
+import multiprocessing
+import time
+
+import pytest
+
+import multi_worker as mw
+from models import Spec, build_reference, make_batches, max_rel_error, rel_errors, train
+
+SPEC = Spec(towers=4, batch=4)  # the global job: 2 workers x 2 towers x 4 examples
+STEPS = 5
+TOLERANCE = 2e-4  # measured: ~8e-7
+
+
+@pytest.fixture(scope="module")
+def runs():
+    run = mw.launch(SPEC, STEPS, mw.MODES, num_workers=2, timeout_seconds=20.0, join_timeout=20.0,
+                    run_timeout=40.0, deadline=60.0)
+    assert not multiprocessing.active_children()
+    ref = build_reference(SPEC)
+    return run, train(ref.graph, ref, make_batches(SPEC, STEPS), num_devices=1)
+
+
+def test_synced_workers_match_one_device(runs):
+    run, reference = runs
+    worker0 = mw.as_result(run.results, "synced")
+    worker1 = mw.as_result({0: run.results[1]}, "synced")
+    errors = rel_errors(worker0, reference)
+    assert any("moving_variance" in name for name in errors) and any("moving_mean" in name for name in errors)
+    assert max(errors.values()) < TOLERANCE, errors
+    # every worker applies the same update to its own copy of the variables
+    assert max_rel_error(worker1, worker0) < 1e-6
+
+
+def test_unsynced_workers_do_not_match(runs):
+    run, reference = runs
+    for task in (0, 1):
+        got = mw.as_result({0: run.results[task]}, "unsynced")
+        assert max_rel_error(got, reference) > 0.1
+
+
+def test_lone_leader_fails_with_deadline_exceeded():
+    """Only worker 0 starts: its collectives time out after timeout_seconds."""
+    start = time.monotonic()
+    with pytest.raises(mw.WorkerError) as info:
+        mw.launch(SPEC, 2, ("synced",), num_workers=2, tasks=[0], timeout_seconds=3.0, join_timeout=3.0,
+                  run_timeout=20.0, deadline=30.0)
+    elapsed = time.monotonic() - start
+    assert not multiprocessing.active_children()
+    name, message, _ = info.value.errors[0]
+    assert name == "DeadlineExceededError" and "timed out" in message, info.value
+    assert elapsed < 30.0
+
+
+def test_lone_follower_fails_with_deadline_exceeded():
+    """Only worker 1 starts: it gives up waiting for the collective group leader."""
+    start = time.monotonic()
+    with pytest.raises(mw.WorkerError) as info:
+        mw.launch(SPEC, 2, ("synced",), num_workers=2, tasks=[1], timeout_seconds=3.0, join_timeout=3.0,
+                  run_timeout=20.0, deadline=30.0)
+    elapsed = time.monotonic() - start
+    assert not multiprocessing.active_children()
+    name, message, _ = info.value.errors[1]
+    assert name == "DeadlineExceededError" and "leader" in message, info.value
+    assert elapsed < 30.0
