@@ -1,0 +1,276 @@
+"""Rewrite speed and memory at scale, side by side with TensorFlow's own GraphDef handling.
+
+    python tools/bench_rewrite.py [--towers 2,4,8] [--layers 20,50,100] [--reps 5]
+                                  [--no-memory] [--no-cli]
+
+For each training graph (tools/deep_net.py: towers x conv+BN layers, built once and cached
+as .pb in a temp dir) and in one process, repetitions interleaved:
+
+  rewrite   bnrewrite.rewrite_graph(graph_def)
+  import    tf.graph_util.import_graph_def(graph_def) into a fresh tf.Graph
+  proto     GraphDef parse + serialize of the same bytes
+
+Medians are printed with ratios, microseconds per input node, and the scaling exponent of
+each column over graph size (least-squares slope of log time on log nodes; 1.0 is linear).
+Then the CLI end to end on the 8 x 50 .pb, and the peak memory of one rewrite measured in
+fresh subprocesses (tracemalloc's peak; and the peak RSS during the rewrite over the RSS just
+before it), against the size of the GraphDef (ByteSize, and the RSS that parsing it took).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [HERE, ROOT]
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+
+import deep_net  # noqa: E402
+
+GOAL_CONFIG = (8, 50)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def _timed(fn) -> float:
+    gc.collect()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_config(towers: int, layers: int, reps: int) -> dict:
+    import tensorflow as tf
+    from tensorflow.core.framework import graph_pb2
+
+    from bnrewrite import rewrite_graph
+
+    with open(deep_net.cached_path(towers, layers), "rb") as f:
+        data = f.read()
+    graph_def = graph_pb2.GraphDef.FromString(data)
+
+    def do_import() -> None:
+        with tf.Graph().as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
+
+    def do_proto() -> None:
+        graph_pb2.GraphDef.FromString(data).SerializeToString()
+
+    result = rewrite_graph(graph_def)  # warm-up, and the output size
+    times: dict[str, list[float]] = {"rewrite": [], "import": [], "proto": []}
+    passes: dict[str, list[float]] = {}
+    for _ in range(reps):
+        gc.collect()
+        start = time.perf_counter()
+        out = rewrite_graph(graph_def)
+        times["rewrite"].append(time.perf_counter() - start)
+        for p in out.report.passes:
+            passes.setdefault(str(p["name"]), []).append(float(p["seconds"]))
+        del out
+        times["import"].append(_timed(do_import))
+        times["proto"].append(_timed(do_proto))
+    return {
+        "towers": towers, "layers": layers, "nodes": len(graph_def.node),
+        "nodes_out": len(result.graph_def.node), "bytes": len(data),
+        **{k: statistics.median(v) for k, v in times.items()},
+        "spread": {k: (min(v), max(v)) for k, v in times.items()},
+        "passes": {k: statistics.median(v) for k, v in passes.items()},
+    }
+
+
+def print_speed(rows: list[dict]) -> None:
+    print("\n== rewrite speed (median of repetitions; ms) ==")
+    header = ("towers", "layers", "nodes", "nodes out", "rewrite", "import", "proto",
+              "rw/import", "rw/proto", "us/node rw", "us/node imp")
+    body = []
+    for r in rows:
+        body.append((
+            r["towers"], r["layers"], r["nodes"], r["nodes_out"],
+            f"{r['rewrite'] * 1e3:.0f}", f"{r['import'] * 1e3:.0f}", f"{r['proto'] * 1e3:.0f}",
+            f"{r['rewrite'] / r['import']:.2f}", f"{r['rewrite'] / r['proto']:.1f}",
+            f"{r['rewrite'] / r['nodes'] * 1e6:.1f}", f"{r['import'] / r['nodes'] * 1e6:.1f}",
+        ))
+    _table(header, body)
+    if len(rows) >= 2:
+        sizes = np.log([r["nodes"] for r in rows])
+        for key in ("rewrite", "import", "proto"):
+            slope = np.polyfit(sizes, np.log([r[key] for r in rows]), 1)[0]
+            print(f"scaling exponent ({key} time ~ nodes^k): k = {slope:.3f}")
+    goal = [r for r in rows if (r["towers"], r["layers"]) == GOAL_CONFIG]
+    if goal:
+        r = goal[0]
+        ratio = r["rewrite"] / r["import"]
+        print(f"goal {GOAL_CONFIG[0]}x{GOAL_CONFIG[1]}: rewrite / import_graph_def = {ratio:.2f} "
+              f"({'met' if ratio <= 1.0 else 'NOT met'}; goal <= 1.0)")
+        print("  passes (median s, validation included): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in r["passes"].items()))
+
+
+def _table(header: tuple, body: list[tuple]) -> None:
+    widths = [max(len(str(h)), *(len(str(row[i])) for row in body)) for i, h in enumerate(header)]
+    for row in (header, *body):
+        print("  ".join(str(c).rjust(w) for c, w in zip(row, widths)))
+
+
+def bench_cli(towers: int, layers: int, reps: int) -> None:
+    print(f"\n== CLI end to end ({towers} towers x {layers} layers .pb) ==")
+    path = deep_net.cached_path(towers, layers)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.pb")
+        probe = subprocess.run([sys.executable, "-m", "bnrewrite", "convert", path, out],
+                               env=env, capture_output=True, text=True)
+        if probe.returncode != 0 or not os.path.exists(out):
+            why = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
+            print(f"skipped: `python -m bnrewrite convert IN OUT` did not run here (exit {probe.returncode}: {why})")
+            return
+        cli, tf_import = [], []
+        for _ in range(reps):
+            os.remove(out)
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "bnrewrite", "convert", path, out], env=env,
+                           check=True, capture_output=True)
+            cli.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-c", "import tensorflow"], env=env, check=True, capture_output=True)
+            tf_import.append(time.perf_counter() - start)
+    c, t = statistics.median(cli), statistics.median(tf_import)
+    print(f"python -m bnrewrite convert IN OUT: {c:.2f} s  (python -c 'import tensorflow' alone: {t:.2f} s; "
+          f"the rest, {c - t:.2f} s, is reading, rewriting and writing)")
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def memory_child(path: str) -> None:
+    """Fresh process: tracemalloc's peak over one rewrite (its bookkeeping would skew RSS)."""
+    import tracemalloc
+
+    from tensorflow.core.framework import graph_pb2
+
+    from bnrewrite import rewrite_graph
+
+    rewrite_graph(deep_net.cached_graph_def(2, 20))  # load everything the rewrite imports lazily
+    with open(path, "rb") as f:
+        data = f.read()
+    tracemalloc.start()
+    graph_def = graph_pb2.GraphDef.FromString(data)
+    parse_traced = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    gc.collect()
+    tracemalloc.start()
+    result = rewrite_graph(graph_def)
+    traced_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    print(json.dumps({
+        "byte_size": graph_def.ByteSize() / 2**20, "out_byte_size": result.graph_def.ByteSize() / 2**20,
+        "parse_traced": parse_traced / 2**20, "traced_peak": traced_peak / 2**20,
+    }))
+
+
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024
+
+
+def memory_rss_child(path: str) -> None:
+    """Fresh process, no tracemalloc: the RSS peak of one rewrite over the RSS just before it.
+
+    The kernel's peak (VmHWM) is reset through /proc/self/clear_refs right before the rewrite,
+    so TensorFlow's import peak does not hide it.
+    """
+    from tensorflow.core.framework import graph_pb2
+
+    from bnrewrite import rewrite_graph
+
+    rewrite_graph(deep_net.cached_graph_def(2, 20))
+    with open(path, "rb") as f:
+        data = f.read()
+    gc.collect()
+    rss0 = _rss_mib()
+    graph_def = graph_pb2.GraphDef.FromString(data)
+    parse_rss = _rss_mib() - rss0
+    gc.collect()
+    rss_before = _rss_mib()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    rewrite_graph(graph_def)
+    print(json.dumps({"parse_rss": parse_rss, "rss_peak_delta": _peak_rss_mib() - rss_before}))
+
+
+def bench_memory(configs: list[tuple[int, int]]) -> None:
+    print("\n== peak memory of one rewrite (fresh subprocess each; MiB) ==")
+    header = ("towers", "layers", "ByteSize", "out ByteSize", "parse RSS", "traced peak",
+              "traced/ByteSize", "RSS peak", "RSS/ByteSize", "RSS/parse RSS")
+    body = []
+    for towers, layers in configs:
+        path = deep_net.cached_path(towers, layers)
+        traced = json.loads(_child("--memory-child", path))
+        rss = json.loads(_child("--memory-rss-child", path))
+        peak = rss["rss_peak_delta"]
+        body.append((
+            towers, layers, f"{traced['byte_size']:.1f}", f"{traced['out_byte_size']:.1f}", f"{rss['parse_rss']:.1f}",
+            f"{traced['traced_peak']:.1f}", f"{traced['traced_peak'] / traced['byte_size']:.2f}",
+            f"{peak:.1f}", f"{peak / traced['byte_size']:.2f}", f"{peak / rss['parse_rss']:.2f}",
+        ))
+    _table(header, body)
+    print("traced peak: tracemalloc (Python objects; protobuf's upb arenas are not traced, parsing traces ~0 MiB).")
+    print("RSS peak: the process's peak RSS during the rewrite (VmHWM, reset just before) minus its RSS before; "
+          "includes the output GraphDef; parse RSS: what parsing the GraphDef added to RSS.")
+    print("goal: peak <= 3 x the GraphDef in memory")
+
+
+def _child(flag: str, path: str) -> str:
+    proc = subprocess.run([sys.executable, __file__, flag, path], capture_output=True, text=True, check=True)
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--towers", type=_ints, default=[2, 4, 8])
+    parser.add_argument("--layers", type=_ints, default=[20, 50, 100])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--no-cli", action="store_true")
+    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-rss-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        return memory_child(args.memory_child)
+    if args.memory_rss_child:
+        return memory_rss_child(args.memory_rss_child)
+
+    configs = [(t, n) for t in args.towers for n in args.layers]
+    for t, n in configs:
+        deep_net.cached_path(t, n)  # build what is not cached yet, before timing anything
+    rows = []
+    for t, n in configs:
+        rows.append(bench_config(t, n, args.reps))
+        r = rows[-1]
+        print(f"{t} towers x {n} layers: {r['nodes']} nodes, rewrite {r['rewrite'] * 1e3:.0f} ms, "
+              f"import {r['import'] * 1e3:.0f} ms, proto {r['proto'] * 1e3:.0f} ms", flush=True)
+    print_speed(rows)
+    if not args.no_cli:
+        bench_cli(*GOAL_CONFIG, reps=3)
+    if not args.no_memory:
+        bench_memory([c for c in configs if c[0] == GOAL_CONFIG[0]] or configs[-1:])
+
+
+if __name__ == "__main__":
+    main()

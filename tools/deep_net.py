@@ -1,0 +1,79 @@
+"""Deep conv+BN multi-tower training graphs for the benchmarks, cached as .pb files.
+
+    build_graph_def(towers, layers, channels=8, image=4, batch=2) -> GraphDef
+    cached_graph_def(towers, layers, ...) -> GraphDef   (built once, kept in a temp dir)
+
+Each tower: images -> L x [conv2d 3x3 -> batch_normalization(training=True, fused=True)
+-> relu] -> global pool -> dense -> softmax cross entropy, built with tf_keras's legacy
+TF1 layers on `/cpu:k` in name scope `tower_k`, sharing variables through
+`variable_scope("net", reuse=AUTO_REUSE)`. Gradients are averaged across towers and applied
+once with MomentumOptimizer; `train_op = tf.group(apply, *UPDATE_OPS)` (every tower's
+moving-average updates). `device="gpu"` places towers on `/gpu:k` (building needs no GPU). Spatial sizes are tiny: building is quick and the graph structure
+(what the rewrite sees) is that of a real deep net.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+
+CACHE_DIR = os.path.join(tempfile.gettempdir(), "bnrewrite_bench_graphs")
+
+
+def build_graph_def(
+    towers: int, layers: int, channels: int = 8, image: int = 4, batch: int = 2, device: str = "cpu"
+) -> tf.compat.v1.GraphDef:
+    from tf_keras.src.legacy_tf_layers import convolutional, core, normalization
+
+    graph = tf.Graph()
+    with graph.as_default(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+        tower_grads, losses = [], []
+        for k in range(towers):
+            with tf.device(f"/{device}:{k}"), tf.name_scope(f"tower_{k}"):
+                images = tf.compat.v1.placeholder(tf.float32, [batch, image, image, 3], name="images")
+                labels = tf.compat.v1.placeholder(tf.int32, [batch], name="labels")
+                with tf.compat.v1.variable_scope("net", reuse=tf.compat.v1.AUTO_REUSE):
+                    x = images
+                    for i in range(layers):
+                        x = convolutional.conv2d(x, channels, 3, padding="same", use_bias=False, name=f"conv{i}")
+                        x = normalization.batch_normalization(x, training=True, fused=True, name=f"bn{i}")
+                        x = tf.nn.relu(x)
+                    x = tf.reduce_mean(x, axis=[1, 2])
+                    logits = core.dense(x, 10, name="dense")
+                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+                losses.append(loss)
+                tower_grads.append(opt.compute_gradients(loss))
+        with tf.device(f"/{device}:0"), tf.name_scope("average"):
+            averaged = [(tf.add_n([g for g, _ in per_var]) / float(towers), per_var[0][1]) for per_var in zip(*tower_grads)]
+            tf.identity(tf.add_n(losses) / float(towers), name="loss")
+        apply = opt.apply_gradients(averaged)
+        tf.group(apply, *tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS), name="train_op")
+        tf.compat.v1.global_variables_initializer()
+    return graph.as_graph_def()
+
+
+def cached_path(towers: int, layers: int, **kwargs: int) -> str:
+    extra = "".join(f"_{k}{v}" for k, v in sorted(kwargs.items()))
+    path = os.path.join(CACHE_DIR, f"towers{towers}_layers{layers}{extra}.pb")
+    if not os.path.exists(path):
+        os.makedirs(CACHE_DIR, exist_ok=True)
+        data = build_graph_def(towers, layers, **kwargs).SerializeToString()
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    return path
+
+
+def cached_graph_def(towers: int, layers: int, **kwargs: int) -> tf.compat.v1.GraphDef:
+    graph_def = tf.compat.v1.GraphDef()
+    with open(cached_path(towers, layers, **kwargs), "rb") as f:
+        graph_def.ParseFromString(f.read())
+    return graph_def
