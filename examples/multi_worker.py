@@ -181,10 +181,11 @@ def wait_for_leader(address: str, seconds: float) -> None:
 
 
 def run_worker(task_index: int, hosts: list, spec, steps: int, modes, *, timeout_seconds: float,
-               join_timeout: float, run_timeout: float) -> dict:
+               join_timeout: float, run_timeout: float, crash_after: int | None = None) -> dict:
     """One worker's whole job, in its own process: server, graphs, rewrite, training.
 
     Returns {mode: {"losses", "variables", "seconds", "report"}}. Raises on any failure.
+    crash_after=n makes the process exit abruptly after n steps (to test the others' errors).
     """
     import tensorflow as tf
 
@@ -217,7 +218,9 @@ def run_worker(task_index: int, hosts: list, spec, steps: int, modes, *, timeout
             sess.run(built.init, options=options)
             train_op = graph.get_operation_by_name(built.train_op)
             loss = graph.get_tensor_by_name(built.loss)
-            for images, labels in batches:
+            for step, (images, labels) in enumerate(batches):
+                if step == crash_after:
+                    os._exit(3)
                 feed = {}
                 for k, (img, lbl) in enumerate(built.inputs):
                     rows = slice((task_index * local + k) * spec.batch, (task_index * local + k + 1) * spec.batch)
@@ -276,8 +279,11 @@ class Launch:
 
 
 def launch(spec, steps: int, modes=MODES, *, num_workers: int = 2, tasks=None, timeout_seconds: float = 30.0,
-           join_timeout: float = 30.0, run_timeout: float = 60.0, deadline: float = 180.0) -> Launch:
+           join_timeout: float = 30.0, run_timeout: float = 60.0, deadline: float = 180.0,
+           crash_after: dict | None = None) -> Launch:
     """Run workers `tasks` (default: all) of a `num_workers` cluster on 127.0.0.1 in fresh processes.
+
+    crash_after: {task: n} makes those workers die abruptly after n steps.
 
     Every wait is bounded: collectives by `timeout_seconds`, each Session.run by `run_timeout`,
     a non-leader's wait for the leader by `join_timeout`, and the whole launch by `deadline`,
@@ -289,7 +295,10 @@ def launch(spec, steps: int, modes=MODES, *, num_workers: int = 2, tasks=None, t
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     kwargs = dict(timeout_seconds=timeout_seconds, join_timeout=join_timeout, run_timeout=run_timeout)
-    procs = {t: ctx.Process(target=_worker_entry, args=(t, hosts, spec, steps, tuple(modes), kwargs, results),
+    crash_after = crash_after or {}
+    procs = {t: ctx.Process(target=_worker_entry,
+                            args=(t, hosts, spec, steps, tuple(modes), dict(kwargs, crash_after=crash_after.get(t)),
+                                  results),
                             name=f"bnrewrite-worker-{t}", daemon=True) for t in tasks}
     start = time.monotonic()
     done, errors = {}, {}

@@ -73,3 +73,17 @@ def test_lone_follower_fails_with_deadline_exceeded():
     name, message, _ = info.value.errors[1]
     assert name == "DeadlineExceededError" and "leader" in message, info.value
     assert elapsed < 30.0
+
+
+def test_worker_dying_mid_run_fails_the_other():
+    """Both workers start; worker 1 dies after 2 steps: worker 0 fails at once, it does not hang."""
+    start = time.monotonic()
+    with pytest.raises(mw.WorkerError) as info:
+        mw.launch(SPEC, 50, ("synced",), num_workers=2, timeout_seconds=10.0, join_timeout=10.0,
+                  run_timeout=20.0, deadline=40.0, crash_after={1: 2})
+    elapsed = time.monotonic() - start
+    assert not multiprocessing.active_children()
+    errors = info.value.errors
+    assert errors[1][0] == "ProcessDied", info.value
+    assert errors[0][0] in ("UnavailableError", "DeadlineExceededError") and "all_reduce" in errors[0][1], info.value
+    assert elapsed < 40.0
