@@ -40,6 +40,7 @@ class Site:
     grads: tuple[str, ...]
     scale_var: str | None
     offset_var: str | None
+    channels: int | None = None
     updates: tuple[Update, ...] = field(default=())
 
     @property
@@ -126,6 +127,14 @@ def scan(graph: Graph) -> Census:
     return census
 
 
+def _channels(graph: Graph, variable: str | None) -> int | None:
+    """The static length of a per-channel variable, when its op records a shape."""
+    if variable is None or "shape" not in graph.node(variable).attr:
+        return None
+    dims = graph.node(variable).attr["shape"].shape.dim
+    return dims[0].size if len(dims) == 1 and dims[0].size >= 0 else None
+
+
 def _fused_site(graph: Graph, node: object) -> tuple[Site | None, str]:
     name = node.name  # type: ignore[attr-defined]
     grads = []
@@ -141,6 +150,7 @@ def _fused_site(graph: Graph, node: object) -> tuple[Site | None, str]:
     if data_format not in ("NHWC", "NCHW", "NDHWC", "NCDHW"):
         return None, f"data_format {data_format} is not supported"
     dtype = int(_attr(node, "T", types_pb2.DT_FLOAT))
+    scale_var = resolve_variable(graph, graph.producer(name, 1)[0])
     site = Site(
         name=name,
         op=node.op,  # type: ignore[attr-defined]
@@ -151,7 +161,8 @@ def _fused_site(graph: Graph, node: object) -> tuple[Site | None, str]:
         avg_factor=float(_attr(node, "exponential_avg_factor", 1.0)),
         device=graph.device(name),
         grads=tuple(sorted(grads)),
-        scale_var=resolve_variable(graph, graph.producer(name, 1)[0]),
+        scale_var=scale_var,
         offset_var=resolve_variable(graph, graph.producer(name, 2)[0]),
+        channels=_channels(graph, scale_var),
     )
     return site, ""

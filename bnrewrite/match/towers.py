@@ -114,7 +114,7 @@ def _mismatch(members: list[Site], tower: dict[str, str], ids: list[str]) -> str
         return f"missing from tower(s) {', '.join(missing)}"
     first = members[0]
     for s in members[1:]:
-        for attr in ("op", "data_format", "dtype", "stat_dtype", "epsilon", "avg_factor"):
+        for attr in ("op", "data_format", "dtype", "stat_dtype", "epsilon", "avg_factor", "channels"):
             if getattr(s, attr) != getattr(first, attr):
                 return f"{attr} differs between towers ({getattr(first, attr)} vs {getattr(s, attr)})"
         if len(s.grads) != len(first.grads):

@@ -78,11 +78,11 @@ def _with_exclusive_ancestors(graph: Graph, doomed: dict[str, str]) -> dict[str,
     and that nothing else reads.
     """
     removed = dict(doomed)
-    for name, why in doomed.items():
+    for name in doomed:
         for edge in graph.consumers_of(name, -1):
             waiting = graph.node(edge.consumer)
             if waiting.op == "ReadVariableOp" and not graph.consumers_of(edge.consumer):
-                removed[edge.consumer] = why
+                removed[edge.consumer] = f"read only after {name}, which was removed"
     stack = list(removed)
     while stack:
         name = stack.pop()

@@ -1,0 +1,219 @@
+"""rewrite_graph's contract: NCCL structure, keys and order, names kept, input untouched,
+idempotence, the report, and one specific exception per kind of bad input."""
+
+import json
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import bnrewrite
+from bnrewrite import rewrite_graph
+from bnrewrite.graph import Graph, parse_input
+from bnrewrite.plan import KEYS_PER_LAYER
+from models import Spec, build_reference, build_towers
+
+tf1 = tf.compat.v1
+BN_LAYERS = 2  # the harness model has two batch-norm layers
+
+
+def _by_op(graph_def, op):
+    return [n for n in graph_def.node if n.op == op]
+
+
+def _chain_order(graph_def, names):
+    """The all-reduces of one device in the order their control edges chain them."""
+    nodes = {n.name: n for n in graph_def.node}
+    preds = {name: [parse_input(i)[0] for i in nodes[name].input if i.startswith("^") and parse_input(i)[0] in names] for name in names}
+    heads = [n for n in names if not preds[n]]
+    assert len(heads) == 1, f"all-reduces of one device are not one chain: {preds}"
+    order, current = [heads[0]], heads[0]
+    while True:
+        nxt = [n for n in names if current in preds[n]]
+        if not nxt:
+            return order
+        assert len(nxt) == 1
+        current = nxt[0]
+        order.append(current)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_nccl_structure_on_gpu_towers(k):
+    built = build_towers(Spec(towers=k, device="gpu"))
+    result = rewrite_graph(built.graph)  # auto: every tower is a GPU
+    assert result.report.backend == "nccl"
+    nccl = _by_op(result.graph_def, "NcclAllReduce")
+    assert not _by_op(result.graph_def, "CollectiveReduceV2")
+    assert len(nccl) == 2 * BN_LAYERS * k  # one forward + one backward per layer per tower
+    by_name = defaultdict(list)
+    for node in nccl:
+        assert node.attr["reduction"].s == b"sum"
+        assert node.attr["num_devices"].i == k
+        by_name[node.attr["shared_name"].s].append(node.device)
+    assert len(by_name) == 2 * BN_LAYERS, "shared_name must be unique per collective"
+    for devices in by_name.values():
+        assert sorted(devices) == sorted(f"/device:GPU:{i}" for i in range(k)), "one member per tower's GPU"
+    per_device = defaultdict(set)
+    for node in nccl:
+        per_device[node.device].add(node.name)
+    orders = []
+    for names in per_device.values():
+        chain = _chain_order(result.graph_def, names)
+        nodes = {n.name: n for n in result.graph_def.node}
+        orders.append([nodes[n].attr["shared_name"].s for n in chain])
+    assert all(o == orders[0] for o in orders), "towers must launch their all-reduces in the same order"
+    # The forward all-reduces come before the backward ones of the same step.
+    phases = [int(s.rsplit(b"_i", 1)[1]) % KEYS_PER_LAYER for s in orders[0]]
+    assert phases[:BN_LAYERS] == [0] * BN_LAYERS and all(p > 0 for p in phases[BN_LAYERS:])
+    tf1.import_graph_def(result.graph_def, name="")  # NCCL graphs import on a CPU build
+
+
+def test_collective_keys():
+    k = 4
+    result = rewrite_graph(build_towers(Spec(towers=k)).graph, backend="collective")
+    reduces = _by_op(result.graph_def, "CollectiveReduceV2")
+    assert len(reduces) == 2 * BN_LAYERS * k
+    consts = {n.name: tf.make_ndarray(n.attr["value"].tensor) for n in _by_op(result.graph_def, "Const")}
+    instances = defaultdict(list)
+    for node in reduces:
+        size, group, instance = (int(consts[parse_input(i)[0]]) for i in node.input[1:4])
+        assert size == k
+        instances[(group, instance)].append(node.device)
+    assert len(instances) == 2 * BN_LAYERS
+    assert all(len(set(devices)) == k for devices in instances.values())
+
+
+def test_sync_groups_split_towers():
+    result = rewrite_graph(build_towers(Spec(towers=4)).graph, backend="collective", group_size=2)
+    assert result.report.sync_groups == [["/device:CPU:0", "/device:CPU:1"], ["/device:CPU:2", "/device:CPU:3"]]
+    consts = {n.name: tf.make_ndarray(n.attr["value"].tensor) for n in _by_op(result.graph_def, "Const")}
+    groups = defaultdict(set)
+    for node in _by_op(result.graph_def, "CollectiveReduceV2"):
+        assert int(consts[parse_input(node.input[1])[0]]) == 2
+        groups[int(consts[parse_input(node.input[2])[0]])].add(node.device)
+    assert sorted(map(sorted, groups.values())) == [["/device:CPU:0", "/device:CPU:1"], ["/device:CPU:2", "/device:CPU:3"]]
+
+
+def test_input_untouched_names_kept_and_report():
+    built = build_towers(Spec(towers=2))
+    graph_def = built.graph.as_graph_def()
+    before = graph_def.SerializeToString(deterministic=True)
+    result = rewrite_graph(graph_def)
+    assert graph_def.SerializeToString(deterministic=True) == before
+    removed = {r["node"] for r in result.report.removed}
+    names = {n.name for n in result.graph_def.node}
+    for node in graph_def.node:
+        assert node.name in removed or node.name in names
+    for fetch in (built.train_op, built.init, parse_input(built.loss)[0], *(parse_input(i)[0] for pair in built.inputs for i in pair)):
+        assert fetch in names
+    Graph.from_graph_def(result.graph_def).validate()
+
+    report = result.report
+    assert len(report.layers) == BN_LAYERS and report.towers == ["/device:CPU:0", "/device:CPU:1"]
+    assert all(row.collectives == 4 for row in report.layers)
+    # One of the two towers' moving-average updates goes, for each of 2 layers x 2 statistics.
+    updates = [r for r in report.removed if r["why"].startswith("duplicate update")]
+    assert len(updates) == BN_LAYERS * 2 and all(r["node"].startswith("tower_1/") for r in updates)
+    assert not any(r["node"].startswith("tower_0/") for r in report.removed)
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["totals"]["collectives_added"] == 2 * BN_LAYERS * 2
+    text = str(report)
+    assert "2 batch-norm layer(s) synchronized across 2 towers" in text and "removed" in text
+
+
+def test_meta_graph_collections_stay_consistent():
+    built = build_towers(Spec(towers=2))
+    result = rewrite_graph(built.graph)
+    assert result.meta_graph_def is not None
+    names = {n.name for n in result.meta_graph_def.graph_def.node}
+    update_ops = result.meta_graph_def.collection_def["update_ops"].node_list.value
+    assert len(update_ops) == BN_LAYERS * 2  # tower 0's updates are what is left
+    for value in update_ops:
+        assert parse_input(value)[0] in names
+    with tf.Graph().as_default():
+        tf1.train.import_meta_graph(result.meta_graph_def)
+
+
+def test_rewriting_twice():
+    result = rewrite_graph(build_towers(Spec(towers=2)).graph)
+    with pytest.raises(bnrewrite.AlreadyRewrittenError, match="already rewritten"):
+        rewrite_graph(result.graph_def)
+    again = rewrite_graph(result.graph_def, if_rewritten="keep")
+    assert again.graph_def == result.graph_def
+    assert again.report.already_rewritten and "nothing changed" in str(again.report)
+
+
+def _inference_graph():
+    graph = tf.Graph()
+    with graph.as_default():
+        for i in range(2):
+            with tf.device(f"/cpu:{i}"), tf.name_scope(f"tower_{i}"):
+                x = tf1.placeholder(tf.float32, [2, 4, 4, 3])
+                tf1.nn.fused_batch_norm(x, tf.ones([3]), tf.zeros([3]), mean=tf.zeros([3]), variance=tf.ones([3]), is_training=False)
+    return graph
+
+
+def _no_bn_graph():
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.nn.relu(tf1.placeholder(tf.float32, [2]))
+    return graph
+
+
+def _per_tower_bn(channels: list[int]):
+    """Towers with their own batch-norm variables; tower i's layer j has channels[i][j] channels."""
+    graph = tf.Graph()
+    with graph.as_default():
+        for i, layers in enumerate(channels):
+            with tf.device(f"/cpu:{i}"), tf.name_scope(f"tower_{i}"):
+                for j, c in enumerate(layers):
+                    with tf1.variable_scope(f"tower_{i}/bn{j}"):
+                        gamma = tf1.get_variable("gamma", initializer=np.ones(c, np.float32))
+                        beta = tf1.get_variable("beta", initializer=np.zeros(c, np.float32))
+                    with tf.name_scope(f"bn{j}"):
+                        tf1.nn.fused_batch_norm(tf1.placeholder(tf.float32, [2, 4, 4, c]), gamma, beta, is_training=True)
+    return graph
+
+
+def _misaligned_graph():
+    """Two towers whose only batch-norm layer differs in channel count."""
+    return _per_tower_bn([[3], [4]])
+
+
+def test_layer_missing_in_one_tower_is_skipped_rest_synced():
+    result = rewrite_graph(_per_tower_bn([[3, 5], [3]]))
+    assert [row.sites for row in result.report.layers] == [["tower_0/bn0/FusedBatchNormV3", "tower_1/bn0/FusedBatchNormV3"]]
+    assert result.report.skipped == [{"node": "tower_0/bn1/FusedBatchNormV3", "reason": "missing from tower(s) /device:CPU:1"}]
+    kept = {n.name: n.op for n in result.graph_def.node}
+    assert kept["tower_0/bn1/FusedBatchNormV3"] == "FusedBatchNormV3"  # left exactly as it was
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: build_reference(Spec(towers=2)).graph, bnrewrite.NoTowersError, "only one tower"),
+        (lambda: build_towers(Spec(towers=1)).graph, bnrewrite.NoTowersError, "only one tower"),
+        (_inference_graph, bnrewrite.InferenceOnlyError, "inference mode"),
+        (_no_bn_graph, bnrewrite.NoBatchNormError, "no batch-norm op"),
+        (_misaligned_graph, bnrewrite.TowerMismatchError, "lines up"),
+    ],
+    ids=["no-towers", "single-tower", "inference-only", "no-batch-norm", "misaligned"],
+)
+def test_bad_input_raises_specific_error(make, error, message):
+    with pytest.raises(error, match=message) as info:
+        rewrite_graph(make())
+    assert "\n" not in str(info.value)
+    assert isinstance(info.value, bnrewrite.BnRewriteError)
+
+
+def test_bad_options():
+    graph = build_towers(Spec(towers=2)).graph
+    with pytest.raises(bnrewrite.BackendError, match="nccl needs every tower on a GPU"):
+        rewrite_graph(graph, backend="nccl")
+    with pytest.raises(bnrewrite.BackendError, match="unknown backend"):
+        rewrite_graph(graph, backend="mpi")
+    with pytest.raises(bnrewrite.BnRewriteError, match="divide"):
+        rewrite_graph(build_towers(Spec(towers=4)).graph, group_size=3)
+    with pytest.raises(bnrewrite.BnRewriteError, match="takes a tf.Graph"):
+        rewrite_graph("model.pb")
