@@ -55,6 +55,7 @@ def rewrite_graph(
         raise BnRewriteError(f"unknown if_rewritten {if_rewritten!r}; choose error or keep")
     graph_def, meta = _as_protos(graph)
     model = Graph.from_graph_def(graph_def)
+    model.validate()  # a dangling input or a cycle in the input is the input's fault, not a pass's
     census = scan(model)
     if census.rewritten:
         if if_rewritten == "error":
