@@ -25,7 +25,7 @@ TOLERANCE = 2e-4  # measured: ~8e-7
 @pytest.fixture(scope="module")
 def runs():
     run = mw.launch(SPEC, STEPS, mw.MODES, num_workers=2, timeout_seconds=20.0, join_timeout=20.0,
-                    run_timeout=40.0, deadline=60.0)
+                    run_timeout=40.0, deadline=120.0)
     assert not multiprocessing.active_children()
     ref = build_reference(SPEC)
     return run, train(ref.graph, ref, make_batches(SPEC, STEPS), num_devices=1)
@@ -54,12 +54,12 @@ def test_lone_leader_fails_with_deadline_exceeded():
     start = time.monotonic()
     with pytest.raises(mw.WorkerError) as info:
         mw.launch(SPEC, 2, ("synced",), num_workers=2, tasks=[0], timeout_seconds=3.0, join_timeout=3.0,
-                  run_timeout=20.0, deadline=30.0)
+                  run_timeout=20.0, deadline=60.0)
     elapsed = time.monotonic() - start
     assert not multiprocessing.active_children()
     name, message, _ = info.value.errors[0]
     assert name == "DeadlineExceededError" and "timed out" in message, info.value
-    assert elapsed < 30.0
+    assert elapsed < 60.0
 
 
 def test_lone_follower_fails_with_deadline_exceeded():
@@ -67,12 +67,12 @@ def test_lone_follower_fails_with_deadline_exceeded():
     start = time.monotonic()
     with pytest.raises(mw.WorkerError) as info:
         mw.launch(SPEC, 2, ("synced",), num_workers=2, tasks=[1], timeout_seconds=3.0, join_timeout=3.0,
-                  run_timeout=20.0, deadline=30.0)
+                  run_timeout=20.0, deadline=60.0)
     elapsed = time.monotonic() - start
     assert not multiprocessing.active_children()
     name, message, _ = info.value.errors[1]
     assert name == "DeadlineExceededError" and "leader" in message, info.value
-    assert elapsed < 30.0
+    assert elapsed < 60.0
 
 
 def test_worker_dying_mid_run_fails_the_other():
@@ -80,10 +80,10 @@ def test_worker_dying_mid_run_fails_the_other():
     start = time.monotonic()
     with pytest.raises(mw.WorkerError) as info:
         mw.launch(SPEC, 50, ("synced",), num_workers=2, timeout_seconds=10.0, join_timeout=10.0,
-                  run_timeout=20.0, deadline=40.0, crash_after={1: 2})
+                  run_timeout=20.0, deadline=60.0, crash_after={1: 2})
     elapsed = time.monotonic() - start
     assert not multiprocessing.active_children()
     errors = info.value.errors
     assert errors[1][0] == "ProcessDied", info.value
     assert errors[0][0] in ("UnavailableError", "DeadlineExceededError") and "all_reduce" in errors[0][1], info.value
-    assert elapsed < 40.0
+    assert elapsed < 60.0
