@@ -201,3 +201,35 @@ def train_saved_model(directory: str, tags: list[str], built: Built, batches, nu
         with tf.compat.v1.Session(graph=graph, config=session_config(num_devices)) as sess:
             tf.compat.v1.saved_model.loader.load(sess, tags, directory)
             return _steps(sess, graph, built, batches)
+
+
+_CACHE: dict[str, ModelFiles] = {}
+
+
+def cached_models() -> ModelFiles:
+    """`write_models` into a temporary directory, once per test process (treat it as read-only)."""
+    if "files" not in _CACHE:
+        import atexit
+        import shutil
+        import tempfile
+
+        directory = tempfile.mkdtemp(prefix="bnrewrite-models-")
+        atexit.register(shutil.rmtree, directory, True)
+        _CACHE["files"] = write_models(directory)
+    return _CACHE["files"]
+
+
+def tree_digest(path: str) -> dict[str, str]:
+    """sha256 of every file under `path` (or of `path` itself), by relative name."""
+    import hashlib
+
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return {".": hashlib.sha256(f.read()).hexdigest()}
+    digests = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                digests[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
+    return digests
