@@ -17,7 +17,6 @@ from bnrewrite.match.updates import find_updates
 
 #: Instance keys of one layer: 0 is the forward all-reduce, 1.. its gradients.
 KEYS_PER_LAYER = 16
-_STATISTICS = {1: "mean", 2: "variance"}
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
     devices = [site.device for site in towers.groups[0].sites]
     backend = choose_backend(options.backend, devices, options.num_workers)
     groups = tuple(
-        LayerGroup(g.key, tuple(replace(s, updates=find_updates(graph, s.name, _STATISTICS)) for s in g.sites))
+        LayerGroup(g.key, tuple(replace(s, updates=find_updates(graph, s.statistics)) for s in g.sites))
         for g in towers.groups
     )
     return Plan(replace(towers, groups=groups), backend, sync_groups, options)

@@ -75,7 +75,10 @@ except ImportError:  # pragma: no cover - same graph, written out by hand
             delta = tf.convert_to_tensor(1.0 - decay, name="decay")
             return tf.compat.v1.assign_sub(variable, (variable - value) * delta, name=scope)
 
-LAYERS = ("legacy", "fused_op")
+LAYERS = ("legacy", "fused_op", "legacy_unfused", "moments_cond_v1", "moments_cond_v2")
+#: Hand-written batch norm under tf.cond, with per-tower population statistics.
+COND_LAYERS = ("moments_cond_v1", "moments_cond_v2")
+IS_TRAINING_NAME = "is_training"
 DATA_FORMATS = ("NHWC", "NCHW")
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("cpu", "gpu")
@@ -188,7 +191,9 @@ def _conv(x, name, init, data_format):
 def _batch_norm(x, name, spec: Spec, init):
     """BN in spec.data_format on a tensor of spec.dtype; x is in that format."""
     axis = 3 if spec.data_format == "NHWC" else 1
-    if spec.layer == "legacy":
+    if spec.layer in COND_LAYERS:
+        return _cond_batch_norm(x, name, spec, init, axis)
+    if spec.layer in ("legacy", "legacy_unfused"):
         from tf_keras.src.legacy_tf_layers import normalization as legacy_norm
 
         with warnings.catch_warnings():
@@ -197,7 +202,7 @@ def _batch_norm(x, name, spec: Spec, init):
                 x, axis=axis, momentum=BN_MOMENTUM, epsilon=BN_EPSILON,
                 gamma_initializer=_const_init(init[f"{name}/gamma"]),
                 beta_initializer=_const_init(init[f"{name}/beta"]),
-                training=True, fused=True, name=name)
+                training=True, fused=spec.layer == "legacy", name=name)
     # fused_op
     with tf.compat.v1.variable_scope(name):
         gamma = tf.compat.v1.get_variable(
@@ -222,6 +227,38 @@ def _batch_norm(x, name, spec: Spec, init):
     tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, update_mean)
     tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, update_var)
     return y
+
+
+def _cond_batch_norm(x, name, spec: Spec, init, axis):
+    """The hand-written batch norm of the GitHub thread on multi-GPU BN: tf.nn.moments +
+    tf.nn.batch_normalization, population statistics in plain per-tower tf.Variables
+    updated with tf.assign inside tf.cond(is_training, train, eval)."""
+    is_training = tf.compat.v1.get_default_graph().get_tensor_by_name(f"{IS_TRAINING_NAME}:0")
+    with tf.compat.v1.variable_scope(name):
+        gamma = tf.compat.v1.get_variable("gamma", initializer=init[f"{name}/gamma"])
+        beta = tf.compat.v1.get_variable("beta", initializer=init[f"{name}/beta"])
+    with tf.name_scope(name):
+        pop_mean = tf.Variable(np.zeros(FILTERS, np.float32), trainable=False, name="pop_mean")
+        pop_var = tf.Variable(np.ones(FILTERS, np.float32), trainable=False, name="pop_var")
+    shape = [1, 1, 1, 1]
+    shape[axis] = FILTERS
+    axes = [a for a in range(4) if a != axis]
+
+    def train():
+        batch_mean, batch_var = tf.nn.moments(x, axes)
+        train_mean = tf.compat.v1.assign(pop_mean, pop_mean * BN_MOMENTUM + batch_mean * (1 - BN_MOMENTUM))
+        train_var = tf.compat.v1.assign(pop_var, pop_var * BN_MOMENTUM + batch_var * (1 - BN_MOMENTUM))
+        with tf.control_dependencies([train_mean, train_var]):
+            return tf.nn.batch_normalization(
+                x, tf.reshape(batch_mean, shape), tf.reshape(batch_var, shape),
+                tf.reshape(beta, shape), tf.reshape(gamma, shape), BN_EPSILON)
+
+    def evaluate():
+        return tf.nn.batch_normalization(
+            x, tf.reshape(pop_mean, shape), tf.reshape(pop_var, shape),
+            tf.reshape(beta, shape), tf.reshape(gamma, shape), BN_EPSILON)
+
+    return tf.compat.v1.cond(is_training, train, evaluate)
 
 
 def _conv_bn_relu(x, idx, spec: Spec, init):
@@ -269,9 +306,22 @@ def image_shape(spec: Spec, batch: int) -> tuple:
 
 
 def _build(spec: Spec, towers: int, batch: int, device: str) -> Built:
+    from tensorflow.python.ops import control_flow_util
+
+    v2 = control_flow_util.ENABLE_CONTROL_FLOW_V2
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = spec.layer != "moments_cond_v1"
+    try:
+        return _build_graph(spec, towers, batch, device)
+    finally:
+        control_flow_util.ENABLE_CONTROL_FLOW_V2 = v2
+
+
+def _build_graph(spec: Spec, towers: int, batch: int, device: str) -> Built:
     init_values = initial_values(spec)
     graph = tf.Graph()
     with graph.as_default():
+        if spec.layer in COND_LAYERS:
+            tf.compat.v1.placeholder_with_default(True, [], name=IS_TRAINING_NAME)
         opt = tf.compat.v1.train.MomentumOptimizer(LEARNING_RATE, OPTIMIZER_MOMENTUM)
         inputs, tower_losses, tower_grads = [], [], []
         for k in range(towers):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
+import numpy as np
 from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import tensor_util
 
 from bnrewrite.graph import Device, Graph
 from bnrewrite.nodes import MARK
@@ -27,7 +30,13 @@ class Update:
 
 @dataclass(frozen=True)
 class Site:
-    """One training-mode batch norm op in one tower."""
+    """One training-mode batch norm in one tower.
+
+    kind "fused": `name` is the FusedBatchNorm* op and `grads` its gradient ops.
+    kind "moments": `name` is the Mean that `tf.nn.moments` makes, `variance` the Mean of
+    the squared differences, and `grads`/`variance_grads` the Reshape nodes through which
+    each `tf.gradients` call feeds the gradients of mean and variance back (aligned).
+    """
 
     name: str
     op: str
@@ -42,6 +51,11 @@ class Site:
     offset_var: str | None
     channels: int | None = None
     updates: tuple[Update, ...] = field(default=())
+    kind: str = "fused"
+    variance: str = ""
+    axes: tuple[int, ...] = ()
+    keep_dims: bool = True
+    variance_grads: tuple[str, ...] = ()
 
     @property
     def channel_axis(self) -> int:
@@ -49,7 +63,16 @@ class Site:
 
     @property
     def reduce_axes(self) -> list[int]:
+        if self.kind == "moments":
+            return list(self.axes)
         return [a for a in range(len(self.data_format)) if a != self.channel_axis]
+
+    @property
+    def statistics(self) -> list[tuple[str, int, str]]:
+        """(node, output, statistic) of the batch statistics that moving averages read."""
+        if self.kind == "moments":
+            return [(self.name, 0, "mean"), (self.variance, 0, "variance")]
+        return [(self.name, 1, "mean"), (self.name, 2, "variance")]
 
     @property
     def dtype_name(self) -> str:
@@ -110,9 +133,17 @@ def _attr(node: object, key: str, default: object) -> object:
 
 def scan(graph: Graph) -> Census:
     census = Census([], [], [], [])
+    gradient_reshapes = _gradient_reshapes(graph)
     for node in graph:
         if MARK in node.attr:
             census.rewritten.append(node.name)
+            continue
+        if node.op == "Mean":
+            site, reason = _moments_site(graph, node, gradient_reshapes)
+            if site is not None:
+                census.sites.append(site)
+            elif reason:
+                census.skips.append(Skip(node.name, reason))
             continue
         if node.op not in FUSED_FORWARD:
             continue
@@ -125,6 +156,77 @@ def scan(graph: Graph) -> Census:
         else:
             census.sites.append(site)
     return census
+
+
+_GRADIENTS_SCOPE = re.compile(r"gradients(_\d+)?$")
+
+
+def _gradient_reshapes(graph: Graph) -> dict[str, list[str]]:
+    """Forward op name -> the `<op>_grad/Reshape` nodes tf.gradients made for it.
+
+    TensorFlow names the gradient of op X `.../gradients[_N]/X_grad/...`; the gradient of a
+    Mean starts with a Reshape of the incoming gradient.
+    """
+    index: dict[str, list[str]] = {}
+    for name in graph.names():
+        if not name.endswith("_grad/Reshape"):
+            continue
+        parts = name.split("/")
+        for i, part in enumerate(parts[:-2]):
+            if _GRADIENTS_SCOPE.match(part):
+                forward = "/".join(parts[i + 1:-1])[: -len("_grad")]
+                index.setdefault(forward, []).append(name)
+                break
+    return index
+
+
+def _const_value(graph: Graph, name: str) -> object:
+    node = graph.node(name)
+    return tensor_util.MakeNdarray(node.attr["value"].tensor) if node.op == "Const" else None
+
+
+def _moments_site(graph: Graph, variance: object, gradient_reshapes: dict[str, list[str]]) -> tuple[Site | None, str]:
+    """`variance` = Mean(SquaredDifference(x, [StopGradient](mean)), axes), mean = Mean(x, axes)."""
+    squared, _ = graph.producer(variance.name, 0)  # type: ignore[attr-defined]
+    if graph.node(squared).op != "SquaredDifference":
+        return None, ""
+    x, x_out = graph.producer(squared, 0)
+    mean, _ = graph.producer(squared, 1)
+    if graph.node(mean).op == "StopGradient":
+        mean, _ = graph.producer(mean, 0)
+    mean_node = graph.node(mean)
+    if mean_node.op != "Mean" or graph.producer(mean, 0) != (x, x_out):
+        return None, ""
+    axes = _const_value(graph, graph.producer(mean, 1)[0])
+    if axes is None or not np.array_equal(axes, _const_value(graph, graph.producer(variance.name, 1)[0])):  # type: ignore[attr-defined]
+        return None, f"moments of {mean} over axes that are not constant, or differ for mean and variance"
+    keep_dims = bool(_attr(mean_node, "keep_dims", False))
+    if keep_dims != bool(_attr(variance, "keep_dims", False)):
+        return None, f"mean and variance of {mean} differ in keep_dims"
+    grads = sorted(gradient_reshapes.get(mean, []))
+    variance_grads = sorted(gradient_reshapes.get(variance.name, []))  # type: ignore[attr-defined]
+    if len(grads) != len(variance_grads):
+        return None, f"the gradient reaches only one of mean and variance of {mean}; left unsynced"
+    dtype = int(_attr(mean_node, "T", types_pb2.DT_FLOAT))
+    site = Site(
+        name=mean,
+        op="Moments",
+        data_format="axes=" + ",".join(str(int(a)) for a in np.atleast_1d(axes)),
+        dtype=dtype,
+        stat_dtype=dtype,
+        epsilon=0.0,
+        avg_factor=1.0,
+        device=graph.device(mean),
+        grads=tuple(grads),
+        scale_var=None,
+        offset_var=None,
+        kind="moments",
+        variance=variance.name,  # type: ignore[attr-defined]
+        axes=tuple(int(a) for a in np.atleast_1d(axes)),
+        keep_dims=keep_dims,
+        variance_grads=tuple(variance_grads),
+    )
+    return site, ""
 
 
 def _channels(graph: Graph, variable: str | None) -> int | None:

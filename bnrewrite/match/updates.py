@@ -16,10 +16,10 @@ _ARITHMETIC = frozenset({
 _MAX_DEPTH = 8
 
 
-def find_updates(graph: Graph, site: str, outputs: dict[int, str]) -> tuple[Update, ...]:
-    """Assign ops whose value depends on `site`'s outputs (index -> statistic name)."""
+def find_updates(graph: Graph, statistics: list[tuple[str, int, str]]) -> tuple[Update, ...]:
+    """Assign ops whose value depends on the (node, output, statistic name) tensors given."""
     found: dict[str, Update] = {}
-    for output, statistic in outputs.items():
+    for site, output, statistic in statistics:
         frontier = [(site, output)]
         seen: set[str] = set()
         for _ in range(_MAX_DEPTH):

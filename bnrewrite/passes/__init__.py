@@ -12,11 +12,15 @@ from bnrewrite.passes.order_collectives import order_collectives
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.passes.sync_backward import sync_backward
 from bnrewrite.passes.sync_forward import sync_forward
+from bnrewrite.passes.sync_moments_backward import sync_moments_backward
+from bnrewrite.passes.sync_moments_forward import sync_moments_forward
 from bnrewrite.plan import Plan
 
 Pass = Callable[[Graph, Plan], tuple[Graph, PassRecord]]
 
-PIPELINE: tuple[Pass, ...] = (sync_forward, sync_backward, dedupe_moving_averages, order_collectives)
+PIPELINE: tuple[Pass, ...] = (
+    sync_forward, sync_backward, sync_moments_forward, sync_moments_backward, dedupe_moving_averages, order_collectives,
+)
 
 
 def run_passes(graph: Graph, plan: Plan, passes: tuple[Pass, ...] = PIPELINE) -> tuple[Graph, list[PassRecord]]:

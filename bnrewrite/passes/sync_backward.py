@@ -30,6 +30,8 @@ def sync_backward(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
     editor = graph.edit()
     before = len(graph)
     for layer, group in enumerate(plan.groups):
+        if group.sites[0].kind != "fused":
+            continue
         for tower, site in zip(plan.towers.ids, group.sites):
             for j, grad in enumerate(site.grads):
                 reduce_name = _rewrite_grad(editor, graph, grad, site, plan, layer, j + 1, tower, group.key)

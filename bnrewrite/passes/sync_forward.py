@@ -31,6 +31,8 @@ def sync_forward(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
     editor = graph.edit()
     before = len(graph)
     for layer, group in enumerate(plan.groups):
+        if group.sites[0].kind != "fused":
+            continue
         for tower, site in zip(plan.towers.ids, group.sites):
             reduce_name = _rewrite_site(editor, graph, site, plan, layer, tower, group.key)
             record.replaced.append(site.name)

@@ -1,0 +1,44 @@
+"""Forward, unfused: `tf.nn.moments` gives the moments of the global batch in every tower.
+
+The Mean of x and the Mean of the squared differences are replaced by IdentityN nodes of
+the same names that carry the global mean and (biased) variance from
+`bnrewrite.statistics.global_moments`, in the shape the Means had. Everything downstream
+(`tf.nn.batch_normalization` or hand-written arithmetic, moving-average updates, the
+StopGradient the variance's gradient reads) then sees global statistics unchanged.
+"""
+
+from __future__ import annotations
+
+from bnrewrite.graph import Graph
+from bnrewrite.nodes import DT_FLOAT, DT_INT32, Builder, DType, identity_n
+from bnrewrite.passes.record import PassRecord
+from bnrewrite.passes.sync_forward import layer_scope
+from bnrewrite.plan import Plan
+from bnrewrite.statistics import global_moments
+
+F = DT_FLOAT
+
+
+def sync_moments_forward(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
+    record = PassRecord("sync_moments_forward")
+    editor = graph.edit()
+    before = len(graph)
+    for layer, group in enumerate(plan.groups):
+        if group.sites[0].kind != "moments":
+            continue
+        for tower, site in zip(plan.towers.ids, group.sites):
+            node = graph.node(site.name)
+            b = Builder(editor, layer_scope(editor, site.name, "sync_moments"), node.device, group.key)
+            moments = global_moments(b, node.input[0], site.dtype, site.reduce_axes, plan.collective(layer, 0, tower))
+            shape = b.node("Shape", "keep_dims_shape", [moments.local_sum], T=DType(F), out_type=DType(DT_INT32))
+            for name, value in ((site.name, moments.mean), (site.variance, moments.variance)):
+                if site.keep_dims:
+                    value = b.reshape(f"{value.rsplit('/', 1)[1]}_kept", value, shape, F)
+                value = b.cast(f"{value.rsplit('/', 1)[1]}_out", value, F, site.dtype)
+                controls = [i for i in graph.node(name).input if i.startswith("^")]
+                editor.replace(identity_n(name, [value, *controls], [site.dtype], graph.node(name).device, group.key))
+                record.replaced.append(name)
+            record.collectives.append(moments.collective)
+    result = editor.finish()
+    record.added = len(result) - before
+    return result, record
