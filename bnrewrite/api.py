@@ -73,7 +73,7 @@ def rewrite_graph(
                 "bnrewrite rewrites training graphs: export the graph with training=True and its gradients"
             )
         raise NoBatchNormError(
-            "no batch-norm op found (FusedBatchNorm, FusedBatchNormV2/V3); nothing to synchronize"
+            "no batch-norm op found that bnrewrite can rewrite (FusedBatchNorm*, tf.nn.moments); nothing to synchronize"
             + (f" ({len(census.skips)} unsupported: {census.skips[0].reason})" if census.skips else "")
         )
     options = Options(

@@ -57,6 +57,7 @@ constant initializers, so the towers graph and the reference start identical.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 from typing import Union
@@ -75,9 +76,11 @@ except ImportError:  # pragma: no cover - same graph, written out by hand
             delta = tf.convert_to_tensor(1.0 - decay, name="decay")
             return tf.compat.v1.assign_sub(variable, (variable - value) * delta, name=scope)
 
-LAYERS = ("legacy", "fused_op", "legacy_unfused", "moments_cond_v1", "moments_cond_v2")
-#: Hand-written batch norm under tf.cond, with per-tower population statistics.
-COND_LAYERS = ("moments_cond_v1", "moments_cond_v2")
+LAYERS = ("legacy", "fused_op", "legacy_unfused", "legacy_cond_v1", "moments_cond_v1", "moments_cond_v2")
+#: Layers fed a training placeholder (is_training, default True) through tf.cond.
+COND_LAYERS = ("legacy_cond_v1", "moments_cond_v1", "moments_cond_v2")
+#: Layers whose tf.cond is built with version-1 control flow (Switch/Merge).
+V1_LAYERS = ("legacy_cond_v1", "moments_cond_v1")
 IS_TRAINING_NAME = "is_training"
 DATA_FORMATS = ("NHWC", "NCHW")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -94,6 +97,7 @@ OPTIMIZER_MOMENTUM = 0.9
 TRAIN_OP_NAME = "train_op"
 LOSS_NAME = "loss"
 INIT_NAME = "init"
+GLOBAL_BATCH_NAME = "global_batch"  # Spec.uneven: N, the number of examples in the step
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,19 @@ class Spec:
     image: int = 6  # H = W
     channels: int = 3  # input channels
     seed: int = 0
+    #: Name scope of tower k is f"{tower_prefix}{k}"; "" means none: only the variable scope
+    #: "net" is reused and TensorFlow uniquifies the op names (net/..., net_1/...), so the
+    #: towers differ only by device.
+    tower_prefix: str = "tower_"
+    #: Dynamic batch dimension (placeholders [None, ...]) and a loss that allows uneven
+    #: per-tower batches: loss_k = reduce_sum(xent_k) * K / N, where N is the
+    #: placeholder_with_default "global_batch" (float, default K*B) fed the total number of
+    #: examples. The average of the K tower losses is then the mean over all N examples, and
+    #: the averaged tower gradients are the single-device gradient, whatever the split.
+    uneven: bool = False
+    #: train_op groups only tower 0's UPDATE_OPS (the moving-statistics updates) instead of
+    #: every tower's. Used for references whose moving statistics are those of device 0 only.
+    tower0_updates_only: bool = False
 
     def __post_init__(self):
         if self.layer not in LAYERS:
@@ -119,6 +136,8 @@ class Spec:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.towers < 1 or self.batch < 1 or self.image < 1 or self.channels < 1:
             raise ValueError(f"towers, batch, image, channels must be >= 1: {self}")
+        if "/" in self.tower_prefix:
+            raise ValueError(f"tower_prefix must be a plain name scope prefix, got {self.tower_prefix!r}")
 
 
 @dataclass
@@ -129,6 +148,7 @@ class Built:
     inputs: list  # [(images tensor name, labels tensor name)] per tower
     init: str  # op name of the variables initializer
     variables: dict  # variable name -> tensor name reading its current value
+    global_batch: Union[str, None] = None  # tensor name of N (Spec.uneven), fed by train()
 
 
 @dataclass
@@ -191,9 +211,9 @@ def _conv(x, name, init, data_format):
 def _batch_norm(x, name, spec: Spec, init):
     """BN in spec.data_format on a tensor of spec.dtype; x is in that format."""
     axis = 3 if spec.data_format == "NHWC" else 1
-    if spec.layer in COND_LAYERS:
+    if spec.layer.startswith("moments_cond"):
         return _cond_batch_norm(x, name, spec, init, axis)
-    if spec.layer in ("legacy", "legacy_unfused"):
+    if spec.layer in ("legacy", "legacy_unfused", "legacy_cond_v1"):
         from tf_keras.src.legacy_tf_layers import normalization as legacy_norm
 
         with warnings.catch_warnings():
@@ -202,7 +222,8 @@ def _batch_norm(x, name, spec: Spec, init):
                 x, axis=axis, momentum=BN_MOMENTUM, epsilon=BN_EPSILON,
                 gamma_initializer=_const_init(init[f"{name}/gamma"]),
                 beta_initializer=_const_init(init[f"{name}/beta"]),
-                training=True, fused=spec.layer == "legacy", name=name)
+                training=_is_training() if spec.layer == "legacy_cond_v1" else True,
+                fused=spec.layer != "legacy_unfused", name=name)
     # fused_op
     with tf.compat.v1.variable_scope(name):
         gamma = tf.compat.v1.get_variable(
@@ -229,11 +250,15 @@ def _batch_norm(x, name, spec: Spec, init):
     return y
 
 
+def _is_training():
+    return tf.compat.v1.get_default_graph().get_tensor_by_name(f"{IS_TRAINING_NAME}:0")
+
+
 def _cond_batch_norm(x, name, spec: Spec, init, axis):
     """The hand-written batch norm of the GitHub thread on multi-GPU BN: tf.nn.moments +
     tf.nn.batch_normalization, population statistics in plain per-tower tf.Variables
     updated with tf.assign inside tf.cond(is_training, train, eval)."""
-    is_training = tf.compat.v1.get_default_graph().get_tensor_by_name(f"{IS_TRAINING_NAME}:0")
+    is_training = _is_training()
     with tf.compat.v1.variable_scope(name):
         gamma = tf.compat.v1.get_variable("gamma", initializer=init[f"{name}/gamma"])
         beta = tf.compat.v1.get_variable("beta", initializer=init[f"{name}/beta"])
@@ -309,7 +334,7 @@ def _build(spec: Spec, towers: int, batch: int, device: str) -> Built:
     from tensorflow.python.ops import control_flow_util
 
     v2 = control_flow_util.ENABLE_CONTROL_FLOW_V2
-    control_flow_util.ENABLE_CONTROL_FLOW_V2 = spec.layer != "moments_cond_v1"
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = spec.layer not in V1_LAYERS
     try:
         return _build_graph(spec, towers, batch, device)
     finally:
@@ -322,19 +347,32 @@ def _build_graph(spec: Spec, towers: int, batch: int, device: str) -> Built:
     with graph.as_default():
         if spec.layer in COND_LAYERS:
             tf.compat.v1.placeholder_with_default(True, [], name=IS_TRAINING_NAME)
+        global_batch = None
+        if spec.uneven:
+            global_batch = tf.compat.v1.placeholder_with_default(
+                float(towers * batch), [], name=GLOBAL_BATCH_NAME)
         opt = tf.compat.v1.train.MomentumOptimizer(LEARNING_RATE, OPTIMIZER_MOMENTUM)
-        inputs, tower_losses, tower_grads = [], [], []
+        inputs, tower_losses, tower_grads, tower_updates = [], [], [], []
+        placeholder_batch = None if spec.uneven else batch
         for k in range(towers):
-            with tf.device(f"/{device}:{k}"), tf.name_scope(f"tower_{k}"):
-                images = tf.compat.v1.placeholder(tf.float32, image_shape(spec, batch), name="images")
-                labels = tf.compat.v1.placeholder(tf.int32, [batch], name="labels")
+            updates_before = len(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS))
+            with tf.device(f"/{device}:{k}"), _tower_scope(spec.tower_prefix, k):
+                images = tf.compat.v1.placeholder(
+                    tf.float32, image_shape(spec, placeholder_batch), name="images")
+                labels = tf.compat.v1.placeholder(tf.int32, [placeholder_batch], name="labels")
                 logits = _logits(images, spec, init_values)
                 xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
-                loss_k = tf.reduce_mean(xent, name="loss")
+                # Without a tower scope, "loss" would take the name of the graph's total loss.
+                loss_name = "loss" if spec.tower_prefix else "tower_loss"
+                if spec.uneven:
+                    loss_k = tf.math.multiply(tf.reduce_sum(xent), float(towers) / global_batch, name=loss_name)
+                else:
+                    loss_k = tf.reduce_mean(xent, name=loss_name)
                 grads = opt.compute_gradients(loss_k)
             inputs.append((images.name, labels.name))
             tower_losses.append(loss_k)
             tower_grads.append(grads)
+            tower_updates.append(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)[updates_before:])
 
         with tf.device(f"/{device}:0"), tf.name_scope("average"):
             avg_grads = []
@@ -348,6 +386,8 @@ def _build_graph(spec: Spec, towers: int, batch: int, device: str) -> Built:
         loss = tf.identity(loss, name=LOSS_NAME)
         apply_op = opt.apply_gradients(avg_grads, name="apply_gradients")
         update_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
+        if spec.tower0_updates_only:
+            update_ops = tower_updates[0]
         train_op = tf.group(apply_op, *update_ops, name=TRAIN_OP_NAME)
         init = tf.compat.v1.global_variables_initializer()
         assert init.name == INIT_NAME, init.name
@@ -358,7 +398,15 @@ def _build_graph(spec: Spec, towers: int, batch: int, device: str) -> Built:
                 # value() places the read on the variable's device.
                 variables[v.op.name] = v.value().name
     return Built(graph=graph, train_op=train_op.name, loss=loss.name, inputs=inputs,
-                 init=init.name, variables=variables)
+                 init=init.name, variables=variables,
+                 global_batch=global_batch.name if global_batch is not None else None)
+
+
+def _tower_scope(prefix: str, k: int):
+    """Tower k's name scope, or none at all when prefix is ""."""
+    if prefix:
+        return tf.name_scope(f"{prefix}{k}")
+    return contextlib.nullcontext()
 
 
 def build_towers(spec: Spec) -> Built:
@@ -434,24 +482,55 @@ def session_config(num_devices: int) -> "tf.compat.v1.ConfigProto":
     )
 
 
-def train(graph_def_or_graph, built: Built, batches, num_devices: int) -> Result:
+def _step_splits(splits, steps: int, n: int) -> list:
+    """splits -> one list of n per-tower sizes per step (None: equal slices)."""
+    if splits is None:
+        return [None] * steps
+    if all(isinstance(b, (int, np.integer)) for b in splits):
+        splits = [splits] * steps
+    splits = [list(map(int, s)) for s in splits]
+    if len(splits) != steps:
+        raise ValueError(f"{len(splits)} splits for {steps} steps")
+    for s in splits:
+        if len(s) != n or min(s) < 0:
+            raise ValueError(f"split {s} is not {n} non-negative tower sizes")
+    return splits
+
+
+def train(graph_def_or_graph, built: Built, batches, num_devices: int, splits=None) -> Result:
     """Run len(batches) training steps; tower k gets the k-th equal slice of
-    each global batch (one input pair = the whole batch)."""
+    each global batch (one input pair = the whole batch).
+
+    splits: per-tower sizes [b_0, ..., b_{K-1}] used every step, or one such list per
+    step; tower k then gets the next b_k examples of the global batch (b_k may be 0;
+    the sizes must add up to the global batch). Needs a graph with a dynamic batch
+    dimension (Spec.uneven). When the graph has a global_batch input it is fed the
+    number of examples in the step.
+    """
     graph = load_graph(graph_def_or_graph)
     n = len(built.inputs)
     losses = []
+    step_splits = _step_splits(splits, len(batches), n)
     with tf.compat.v1.Session(graph=graph, config=session_config(num_devices)) as sess:
         sess.run(built.init)
         train_op = graph.get_operation_by_name(built.train_op)
         loss = graph.get_tensor_by_name(built.loss)
-        for images, labels in batches:
-            if len(images) % n or len(labels) != len(images):
-                raise ValueError(f"global batch of {len(images)} does not split into {n} towers")
-            per = len(images) // n
+        for (images, labels), sizes in zip(batches, step_splits):
+            if len(labels) != len(images):
+                raise ValueError(f"{len(images)} images but {len(labels)} labels")
+            if sizes is None:
+                if len(images) % n:
+                    raise ValueError(f"global batch of {len(images)} does not split into {n} towers")
+                sizes = [len(images) // n] * n
+            if sum(sizes) != len(images):
+                raise ValueError(f"split {sizes} does not add up to the global batch of {len(images)}")
+            starts = np.concatenate([[0], np.cumsum(sizes)])
             feed = {}
             for k, (img_name, lbl_name) in enumerate(built.inputs):
-                feed[img_name] = images[k * per:(k + 1) * per]
-                feed[lbl_name] = labels[k * per:(k + 1) * per]
+                feed[img_name] = images[starts[k]:starts[k + 1]]
+                feed[lbl_name] = labels[starts[k]:starts[k + 1]]
+            if built.global_batch is not None:
+                feed[built.global_batch] = float(len(images))
             _, loss_value = sess.run([train_op, loss], feed_dict=feed)
             losses.append(float(loss_value))
         values = sess.run(dict(built.variables))

@@ -155,7 +155,26 @@ def scan(graph: Graph) -> Census:
             census.skips.append(Skip(node.name, reason))
         else:
             census.sites.append(site)
+    census.skips.extend(_sites_in_functions(graph))
     return census
+
+
+def _sites_in_functions(graph: Graph) -> list[Skip]:
+    """Batch norm inside the function library (control flow v2 If/While, tf.function) is
+    reported, not rewritten: its nodes live in FunctionDefs, outside the GraphDef's nodes."""
+    if graph.library is None:
+        return []
+    skips = []
+    for function in graph.library.function:  # type: ignore[attr-defined]
+        ops = {node.op for node in function.node_def}
+        training_fused = any(n.op in FUSED_FORWARD and _attr(n, "is_training", True) for n in function.node_def)
+        if training_fused or {"Mean", "SquaredDifference"} <= ops:
+            skips.append(Skip(
+                f"function {function.signature.name}",
+                "batch norm inside a function body (control flow v2 If/While or tf.function) is not rewritten; "
+                "build the graph with tf.compat.v1.disable_control_flow_v2() to use Switch/Merge conditionals",
+            ))
+    return skips
 
 
 _GRADIENTS_SCOPE = re.compile(r"gradients(_\d+)?$")

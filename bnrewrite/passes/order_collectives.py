@@ -5,6 +5,9 @@ free to run independent ops in any order. The order of the first tower's all-red
 topological sort is taken as the order for all, and each tower's all-reduces are chained
 with control edges in that order. Towers are replicas, so the chain respects every tower's
 data dependencies; if it did not, validation after this pass reports the cycle.
+
+Under v1 conditionals (Switch/Merge) an op with a dead control input is dead itself, so
+all-reduces are only chained to others that run under the same branch conditions.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from bnrewrite.collectives import COLLECTIVE_OPS, INSTANCE_ATTR
-from bnrewrite.graph import Graph
+from bnrewrite.graph import Graph, parse_input
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.plan import Plan
 
@@ -20,19 +23,24 @@ from bnrewrite.plan import Plan
 def order_collectives(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
     """`plan` is unused: the order is read off the graph itself."""
     record = PassRecord("order_collectives")
-    by_device: dict[str, list[str]] = defaultdict(list)
+    order = graph.topological_order()
+    conditions = branch_conditions(graph, order)
+    chains: dict[tuple[str, frozenset], list[str]] = defaultdict(list)
     instance: dict[str, int] = {}
-    for name in graph.topological_order():
+    rank: dict[int, int] = {}  # instance key -> position among the first device's all-reduces
+    first_device = None
+    for name in order:
         node = graph.node(name)
         if node.op in COLLECTIVE_OPS and INSTANCE_ATTR in node.attr:
-            by_device[node.device].append(name)
+            chains[(node.device, conditions[name])].append(name)
             instance[name] = node.attr[INSTANCE_ATTR].i
-    if not by_device:
+            first_device = node.device if first_device is None else first_device
+            if node.device == first_device:
+                rank[instance[name]] = len(rank)
+    if not chains:
         return graph, record
-    first = next(iter(by_device.values()))
-    rank = {instance[name]: i for i, name in enumerate(first)}
     editor = graph.edit()
-    for names in by_device.values():
+    for names in chains.values():
         names.sort(key=lambda n: rank.get(instance[n], len(rank)))
         for prev, cur in zip(names, names[1:]):
             edge = f"^{prev}"
@@ -40,3 +48,32 @@ def order_collectives(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
                 editor.mutable(cur).input.append(edge)
                 record.control_edges += 1
     return editor.finish(), record
+
+
+_SWITCH = frozenset({"Switch", "RefSwitch"})
+_MERGE = frozenset({"Merge", "RefMerge"})
+_NONE: frozenset = frozenset()
+
+
+def branch_conditions(graph: Graph, order: list[str]) -> dict[str, frozenset]:
+    """Node -> the (predicate, branch) pairs of the v1 conditionals it runs under.
+
+    A Switch output adds its (predicate, port); a Merge keeps what all its inputs share.
+    """
+    conditions: dict[str, frozenset] = {}
+    for name in order:
+        node = graph.node(name)
+        if node.op in _MERGE:
+            live = [conditions.get(parse_input(i)[0], _NONE) for i in node.input if not i.startswith("^")]
+            conditions[name] = frozenset.intersection(*live) if live else _NONE
+            continue
+        current = _NONE
+        for spec in node.input:
+            src, output = parse_input(spec)
+            inherited = conditions.get(src, _NONE)
+            if output >= 0 and graph.node(src).op in _SWITCH:
+                inherited = inherited | {(graph.node(src).input[1], output)}
+            if inherited:
+                current = current | inherited
+        conditions[name] = current
+    return conditions
