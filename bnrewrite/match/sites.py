@@ -145,6 +145,11 @@ def scan(graph: Graph) -> Census:
             elif reason:
                 census.skips.append(Skip(node.name, reason))
             continue
+        if node.op == "SquaredDifference" and _is_weighted_moments(graph, node.name):
+            census.skips.append(Skip(node.name, (
+                "tf.nn.weighted_moments is not synchronized (the weights would have to be reduced too); "
+                "this layer keeps per-tower statistics")))
+            continue
         if node.op not in FUSED_FORWARD:
             continue
         if not _attr(node, "is_training", True):
@@ -157,6 +162,14 @@ def scan(graph: Graph) -> Census:
             census.sites.append(site)
     census.skips.extend(_sites_in_functions(graph))
     return census
+
+
+def _is_weighted_moments(graph: Graph, squared: str) -> bool:
+    """SquaredDifference(x, DivNoNan(sum(w*x), sum(w))), as tf.nn.weighted_moments builds it."""
+    centre, _ = graph.producer(squared, 1)
+    if graph.node(centre).op == "StopGradient":
+        centre, _ = graph.producer(centre, 0)
+    return graph.node(centre).op == "DivNoNan"
 
 
 def _sites_in_functions(graph: Graph) -> list[Skip]:

@@ -1,0 +1,92 @@
+"""Moments over other axes: the legacy layer on a 2-D input (moments over the batch axis
+only), against the one-device oracle; tf.nn.weighted_moments is reported as skipped."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tf_keras.src.legacy_tf_layers.normalization import batch_normalization
+
+from bnrewrite import rewrite_graph
+from models import session_config
+
+tf1 = tf.compat.v1
+FEATURES, UNITS, STEPS, B = 5, 6, 3, 4
+
+
+def _build(k: int, batch: int, weighted: bool = False) -> tf.Graph:
+    """K towers: x -> dense -> legacy batch norm (2-D: unfused, axes [0]) -> squared loss."""
+    rng = np.random.default_rng(0)
+    kernel0 = rng.normal(size=(FEATURES, UNITS)).astype(np.float32)
+    graph = tf.Graph()
+    with graph.as_default():
+        opt = tf1.train.MomentumOptimizer(0.1, 0.9)
+        grads, losses = [], []
+        for i in range(k):
+            with tf.device(f"/cpu:{i}"), tf.name_scope(f"tower_{i}"):
+                x = tf1.placeholder(tf.float32, [batch, FEATURES], name="x")
+                with tf1.variable_scope("net", reuse=tf1.AUTO_REUSE):
+                    h = tf.matmul(x, tf1.get_variable("kernel", initializer=kernel0))
+                    if weighted:
+                        mean, var = tf.nn.weighted_moments(h, [0], tf.ones([batch, 1]))
+                        y = tf.nn.batch_normalization(h, mean, var, None, None, 1e-3)
+                    else:
+                        y = batch_normalization(h, training=True, momentum=0.9)
+                loss = tf.reduce_mean(tf.square(y - tf.range(UNITS, dtype=tf.float32)), name="loss")
+                losses.append(loss)
+                grads.append(opt.compute_gradients(loss))
+        with tf.device("/cpu:0"):
+            avg = [(tf.add_n([g for g, _ in gv]) / k, gv[0][1]) for gv in zip(*grads)]
+            tf.identity(tf.add_n(losses) / k, name="total_loss")
+        tf.group(opt.apply_gradients(avg), *tf1.get_collection(tf1.GraphKeys.UPDATE_OPS), name="train_op")
+        tf1.global_variables_initializer()
+    return graph
+
+
+def _train(graph_like, k: int, data: list) -> dict:
+    graph = graph_like if isinstance(graph_like, tf.Graph) else tf.Graph()
+    if graph is not graph_like:
+        with graph.as_default():
+            tf1.import_graph_def(graph_like, name="")
+    names = [n.name for n in graph.as_graph_def().node if n.op == "VarHandleOp"]
+    with graph.as_default():
+        reads = {name: tf1.raw_ops.ReadVariableOp(resource=graph.get_tensor_by_name(f"{name}:0"), dtype=tf.float32) for name in names}
+    losses = []
+    with tf1.Session(graph=graph, config=session_config(k)) as sess:
+        sess.run("init")
+        for x in data:
+            feed = {f"tower_{i}/x:0": part for i, part in enumerate(np.split(x, k))}
+            losses.append(sess.run(["train_op", "total_loss:0"], feed)[1])
+        values = sess.run(reads)
+    values["loss"] = np.array(losses)
+    return values
+
+
+def _error(got: dict, want: dict) -> float:
+    """Per-tensor relative error; the floor of 1e-2 keeps the kernel's momentum slot, which
+    batch norm right after a linear layer leaves near 1e-3, from measuring round-off alone."""
+    return max(np.max(np.abs(got[n] - want[n])) / max(np.max(np.abs(want[n])), 1e-2) for n in want)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_legacy_layer_on_2d_input(k):
+    rng = np.random.default_rng(1)
+    data = [(rng.normal(size=(k * B, FEATURES)) * np.repeat(1 + np.arange(k), B)[:, None]).astype(np.float32) for _ in range(STEPS)]
+    graph = _build(k, B)
+    result = rewrite_graph(graph, backend="collective")
+    assert [row.data_format for row in result.report.layers] == ["axes=0"]
+    want = _train(_build(1, k * B), 1, data)
+    synced, unsynced = _error(_train(result.graph_def, k, data), want), _error(_train(graph, k, data), want)
+    print(f"2-D legacy K={k}: synced {synced:.2e}, unsynced {unsynced:.2e}")
+    assert unsynced > 1e-2
+    assert synced < 2e-4
+
+
+def test_weighted_moments_are_reported_as_skipped():
+    graph = _build(2, B, weighted=True)
+    with pytest.raises(Exception, match="no batch-norm op found"):
+        rewrite_graph(graph)
+    from bnrewrite.graph import Graph
+    from bnrewrite.match.sites import scan
+
+    skips = scan(Graph.from_graph_def(graph.as_graph_def())).skips
+    assert len(skips) == 2 and all("weighted_moments" in s.reason for s in skips)
