@@ -240,8 +240,10 @@ _NOISE = ("Graph execution error", "Detected at node", "Original stack", "The er
 def _summary(exc: BaseException) -> str:
     """One line for a worker's failure: TF's own cause and the node, without the stack traces."""
     text = str(exc).strip()
-    lines = [line for line in text.splitlines()
-             if line.strip() and not line.startswith((" ", "\t")) and not line.startswith(_NOISE)]
+    cause = re.search(r"^\s*\(\d+\) [A-Z_]+: (.+)$", text, re.MULTILINE)  # "(0) DEADLINE_EXCEEDED: ..."
+    lines = [cause.group(1)] if cause else [line for line in text.splitlines()
+             if line.strip() and not line.startswith((" ", "\t")) and not line.startswith(_NOISE)
+             and not re.match(r"\d+ (root error\(s\) found|successful operations|derived errors)", line)]
     line = lines[0] if lines else (text.splitlines()[0] if text else "")
     node = re.search(r"\{\{node ([^}]+)\}\}", text)
     return f"{line} [node {node.group(1)}]" if node else line

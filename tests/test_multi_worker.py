@@ -85,5 +85,5 @@ def test_worker_dying_mid_run_fails_the_other():
     assert not multiprocessing.active_children()
     errors = info.value.errors
     assert errors[1][0] == "ProcessDied", info.value
-    assert errors[0][0] in ("UnavailableError", "DeadlineExceededError") and "all_reduce" in errors[0][1], info.value
+    assert errors[0][0] in ("UnavailableError", "DeadlineExceededError") and "[node " in errors[0][1], info.value
     assert elapsed < 60.0
