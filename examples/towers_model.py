@@ -14,6 +14,18 @@ It builds:
 * ``build_reference(spec)``: the identical model with one tower on ``/cpu:0``
   fed all ``K*B`` examples -- what synchronized batch norm must reproduce.
 
+Tower shapes (Spec fields; the defaults build the graphs above, node for node):
+
+* ``tower_prefix``: tower k's name scope is ``f"{tower_prefix}{k}"``
+  (``replica_``, ``clone_``...); ``""`` opens no name scope at all, so the towers
+  differ only by device and TensorFlow uniquifies their op names (``net/...``,
+  ``net_1/...``; the tower losses are then ``tower_loss``, ``tower_loss_1``...).
+* ``uneven``: placeholders with a dynamic batch dimension and
+  ``loss_k = reduce_sum(xent_k) * K / N``, N the float placeholder_with_default
+  ``global_batch`` (default K*B) that ``train`` feeds with the step's example
+  count; ``train(..., splits=...)`` then gives towers any sizes, 0 included.
+* ``tower0_updates_only``: ``train_op`` groups tower 0's UPDATE_OPS only.
+
 Model per tower: images -> conv3x3(8) -> BN -> relu -> conv3x3(8) -> BN ->
 relu -> global average pool -> dense(4) -> sparse softmax cross entropy (mean).
 

@@ -6,15 +6,16 @@ on sys.path). The builder code itself lives in examples/towers_model.py (one
 copy shared with the demo); this module re-exports it and adds test-only
 helpers.
 
-    Spec(towers=2, batch=4, layer="legacy"|"fused_op", data_format="NHWC"|"NCHW",
+    Spec(towers=2, batch=4, layer="legacy"|"fused_op"|..., data_format="NHWC"|"NCHW",
          dtype="float32"|"float16"|"bfloat16", device="cpu"|"gpu", image=6,
-         channels=3, seed=0)                             frozen dataclass
-    Built(graph, train_op, loss, inputs, init, variables)
+         channels=3, seed=0, tower_prefix="tower_", uneven=False,
+         tower0_updates_only=False)                      frozen dataclass
+    Built(graph, train_op, loss, inputs, init, variables, global_batch=None)
     Result(losses, variables)
     build_towers(spec) -> Built
     build_reference(spec) -> Built
     make_batches(spec, steps) -> [(images, labels)]
-    train(graph_def_or_graph, built, batches, num_devices) -> Result
+    train(graph_def_or_graph, built, batches, num_devices, splits=None) -> Result
     max_rel_error(a, b, floor=1e-3, elementwise=False) -> float
     rel_errors(a, b, floor=1e-3, elementwise=False) -> {quantity: float}
     load_graph(GraphDef | MetaGraphDef | tf.Graph | bytes | path) -> tf.Graph
