@@ -162,6 +162,35 @@ def check_input(path: str) -> None:
         raise InputFormatError(f"cannot read {shown}: permission denied")
     if os.path.getsize(path) == 0:
         raise InputFormatError(f"{shown} is empty; point bnrewrite at a GraphDef, MetaGraphDef or SavedModel")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError as exc:
+        raise InputFormatError(f"cannot read {shown}: {exc.strerror or exc}") from None
+    _sniff(head, shown)
+
+
+_TEXT_KEYS = re.compile(
+    r"(^|\s)(node|versions|library|meta_graphs|saved_model_schema_version|meta_info_def|graph_def|"
+    r"collection_def|signature_def|saver_def|asset_file_def|object_graph_def|version)\s*[:{<]"
+)
+
+
+def _sniff(head: bytes, shown: str) -> None:
+    """Reject what is plainly not a model from its first bytes: known file signatures, blank
+    files, and text that names none of the fields a text-format graph starts with."""
+    if not head.strip():
+        raise InputFormatError(f"{shown} is empty; point bnrewrite at a GraphDef, MetaGraphDef or SavedModel")
+    for magic, what in _MAGIC[:-1]:  # a pickle's first byte is also a valid protobuf tag
+        if head.startswith(magic):
+            raise InputFormatError(f"{shown} is {what}, not a TensorFlow GraphDef, MetaGraphDef or SavedModel")
+    text = _as_text(head[:-4] if len(head) == 1 << 16 else head, partial=len(head) == 1 << 16)
+    if text is not None and not _TEXT_KEYS.search(text):
+        if text.lstrip().startswith(("{", "[")):
+            raise InputFormatError(
+                f"{shown} is JSON (a Keras or TensorFlow.js model?), not a TensorFlow GraphDef, MetaGraphDef or SavedModel"
+            )
+        raise InputFormatError(f"{shown} is a text file but not a text-format GraphDef, MetaGraphDef or SavedModel")
 
 
 def load(path: str) -> Model:
@@ -190,7 +219,7 @@ def parse_bytes(data: bytes, shown: str = "input") -> tuple[str, Any]:
     """
     if not data.strip():
         raise InputFormatError(f"{shown} is empty; point bnrewrite at a GraphDef, MetaGraphDef or SavedModel")
-    binary_problem = ""
+    binary_problem = decode_error = ""
     fields, wire_error = _wire_fields(data)
     if wire_error is None:
         for kind, cls, good in _candidates():
@@ -199,7 +228,8 @@ def parse_bytes(data: bytes, shown: str = "input") -> tuple[str, Any]:
             message = cls()
             try:
                 message.ParseFromString(data)
-            except (_message.DecodeError, RuntimeError, ValueError):
+            except (_message.DecodeError, RuntimeError, ValueError) as exc:
+                decode_error = decode_error or f"it does not decode as a {_NAMES[kind]} ({_one_line(str(exc), 120)})"
                 continue
             problem = good(message)
             if problem is None:
@@ -213,16 +243,16 @@ def parse_bytes(data: bytes, shown: str = "input") -> tuple[str, Any]:
             raise InputFormatError(
                 f"{shown} is {what}, not a TensorFlow GraphDef, MetaGraphDef or SavedModel"
             )
-    if binary_problem:
-        raise InputFormatError(f"{shown} is not a usable TensorFlow graph: {binary_problem}")
     if wire_error == "truncated":
         raise InputFormatError(
             f"{shown} is truncated or corrupt: a protobuf field runs past the end of the file "
             f"({len(data)} bytes); re-export the model"
         )
+    detail = binary_problem or decode_error or (
+        f"not a valid protobuf ({wire_error})" if wire_error else "its fields match none of these message types"
+    )
     raise InputFormatError(
-        f"{shown} is not a GraphDef, MetaGraphDef or SavedModel (not a valid protobuf: {wire_error or 'no graph in it'}); "
-        "re-export the model or check the path"
+        f"{shown} is corrupt or not a GraphDef, MetaGraphDef or SavedModel: {detail}; re-export the model or check the path"
     )
 
 
@@ -409,9 +439,9 @@ def _fits(fields: dict[int, set[int]], descriptor: Any) -> bool:
     return all(n in by_number and wires <= _wire_types(by_number[n]) for n, wires in fields.items())
 
 
-def _as_text(data: bytes) -> str | None:
+def _as_text(data: bytes, partial: bool = False) -> str | None:
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8", "ignore" if partial else "strict")
     except UnicodeDecodeError:
         return None
     printable = sum(ch.isprintable() or ch in "\t\r\n" for ch in text[:4096])
@@ -488,15 +518,20 @@ def select(model: Model, tag_sets: list[frozenset[str]] | None) -> list[Entry]:
 _NOTHING_TO_DO = (InferenceOnlyError, NoBatchNormError)
 
 
-def rewrite(model: Model, tag_sets: list[frozenset[str]] | None = None, **options: Any) -> Rewrite:
+def rewrite(model: Model, tag_sets: list[frozenset[str]] | None = None, *, keep_idle: bool | None = None,
+            **options: Any) -> Rewrite:
     """Rewrite the selected entries of `model` with `bnrewrite.rewrite_graph(**options)`.
 
-    For a SavedModel with no tag sets given, MetaGraphs with nothing to synchronize (inference
-    only, no batch norm) are kept unchanged; if none is left, the first one's error is raised.
+    Entries with nothing to synchronize (inference only, no batch norm) are kept unchanged
+    when `keep_idle`; by default that is when every MetaGraph of a SavedModel is rewritten
+    (no tag sets given), and then if none is left, the first one's error is raised.
     Every rewritten MetaGraph's signatures and saver must still name tensors that exist.
     """
     from bnrewrite.api import rewrite_graph
 
+    default = keep_idle is None
+    if default:
+        keep_idle = model.is_saved_model and tag_sets is None and len(model.entries) > 1
     chosen = select(model, tag_sets)
     outcomes: list[Outcome] = []
     first_skip: BnRewriteError | None = None
@@ -504,7 +539,7 @@ def rewrite(model: Model, tag_sets: list[frozenset[str]] | None = None, **option
         try:
             result = rewrite_graph(entry.message, **options)
         except _NOTHING_TO_DO as exc:
-            if not (model.is_saved_model and tag_sets is None and len(model.entries) > 1):
+            if not keep_idle:
                 raise _located(exc, model, entry) from None
             first_skip = first_skip or _located(exc, model, entry)
             outcomes.append(Outcome(entry, kept=str(exc)))
@@ -515,7 +550,7 @@ def rewrite(model: Model, tag_sets: list[frozenset[str]] | None = None, **option
         if new.meta_graph is not None:
             _check_references(entry.meta_graph, new.meta_graph, model, entry, result.report)
         outcomes.append(Outcome(entry, report=result.report, result=new))
-    if not any(o.report for o in outcomes) and first_skip is not None:
+    if default and not any(o.report for o in outcomes) and first_skip is not None:
         raise first_skip
     return Rewrite(_replace_entries(model, [o.result for o in outcomes if o.result]), outcomes)
 

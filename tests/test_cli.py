@@ -1,0 +1,368 @@
+"""The command line end to end, through `python -m bnrewrite` in a subprocess: every format,
+every command, and every kind of bad input (one error line, its exit code, no traceback,
+nothing written, input untouched). Runs that do not depend on each other go in parallel."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import pytest
+
+from bnrewrite import io
+from bnrewrite.cli import EXIT_CODES
+from model_files import cached_models, tree_digest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+WORKERS = max(2, min(3, os.cpu_count() or 2))
+
+
+def bnrewrite(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bnrewrite", *args], capture_output=True, text=True,
+                          env=ENV, cwd=cwd, timeout=300)
+
+
+def run_all(jobs: dict) -> dict:
+    """{key: (args, cwd)} -> {key: CompletedProcess}, several at a time."""
+    with ThreadPoolExecutor(WORKERS) as pool:
+        futures = {key: pool.submit(bnrewrite, *args, cwd=cwd) for key, (args, cwd) in jobs.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
+def assert_one_error_line(proc: subprocess.CompletedProcess, code: int, message: str = "") -> str:
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{proc.stderr}"
+    assert lines[0].startswith("bnrewrite: error: "), lines[0]
+    assert proc.returncode == code, (proc.returncode, lines[0])
+    if message:
+        assert re.search(message, lines[0]), lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def files():
+    return cached_models()
+
+
+# ---------------------------------------------------------------------------
+# --help
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [[], ["convert"], ["inspect"], ["diff"]])
+def test_help_has_examples(command):
+    proc = bnrewrite(*command, "--help")
+    assert proc.returncode == 0 and not proc.stderr
+    assert "examples:" in proc.stdout
+    if not command:
+        for code, _, _ in EXIT_CODES:
+            assert re.search(rf"^\s+{code}\s", proc.stdout, re.M), code
+
+
+def test_usage_errors_are_one_line():
+    for args in (["convert"], ["frobnicate"], ["convert", "a.pb", "b.pb", "--backend", "tpu"], []):
+        proc = bnrewrite(*args)
+        assert_one_error_line(proc, 2)
+
+
+# ---------------------------------------------------------------------------
+# Every format: inspect and convert
+# ---------------------------------------------------------------------------
+
+FORMATS = ["pb", "pbtxt", "meta", "metatxt", "saved"]
+
+
+@dataclass
+class Session:
+    root: str
+    runs: dict = field(default_factory=dict)
+    before: dict = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def session(files, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("cli"))
+    s = Session(out, before=tree_digest(files.root))
+    jobs = {}
+    for fmt in FORMATS:
+        source = getattr(files, fmt)
+        target = os.path.join(out, f"synced_{fmt}")
+        if fmt != "metatxt":
+            jobs[("inspect", fmt)] = (["inspect", source] + (["--json"] if fmt == "meta" else []), None)
+        extra = {
+            "pb": ["--report", os.path.join(out, "pb.json"), "--dot", os.path.join(out, "layer.dot"),
+                   "--tensorboard", os.path.join(out, "tb"), "--verify"],
+            "pbtxt": ["-q"],
+            "saved": ["--report", os.path.join(out, "saved.json"), "--verify"],
+        }.get(fmt, [])
+        jobs[("convert", fmt)] = (["convert", source, target, *extra], None)
+    jobs[("dry-run", "saved-train-meta")] = (["convert", files.saved, os.path.join(out, "train.meta"), "--tags", "train",
+                                              "--format", "meta", "--dry-run", "--report", os.path.join(out, "dry.json")], None)
+    with open(os.path.join(out, "existing.pb"), "wb") as f:
+        f.write(b"old")
+    jobs[("convert", "force")] = (["convert", files.pb, os.path.join(out, "existing.pb"), "--force", "-q"], None)
+    s.runs = run_all(jobs)
+    later = {
+        ("diff", "pb"): (["diff", files.pb, os.path.join(out, "synced_pb")], None),
+        ("diff-json", "saved"): (["diff", files.saved, os.path.join(out, "synced_saved"), "--json"], None),
+        ("inspect", "rewritten"): (["inspect", os.path.join(out, "synced_pb")], None),
+    }
+    s.runs.update(run_all(later))
+    return s
+
+
+@pytest.mark.parametrize("fmt", ["pb", "pbtxt", "saved"])
+def test_inspect(session, fmt):
+    proc = session.runs[("inspect", fmt)]
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    out = proc.stdout
+    assert "towers (device): /device:CPU:0, /device:CPU:1" in out
+    for tower in ("tower_0", "tower_1"):
+        for layer in ("bn1", "bn2"):
+            assert f"{tower}/net/{layer}/FusedBatchNormV3" in out
+    assert "convert would:" in out and "convert would succeed" in out
+    if fmt == "saved":
+        assert "MetaGraph [serve]: nothing to do, kept unchanged" in out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_convert_keeps_the_format(session, files, fmt):
+    proc = session.runs[("convert", fmt)]
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    out = os.path.join(session.root, f"synced_{fmt}")
+    model = io.load(out)
+    assert model.format == ("savedmodel" if fmt == "saved" else fmt)
+    marked = [n for e in model.entries for n in e.graph_def.node if "_bnrewrite" in n.attr]
+    assert marked
+    if fmt == "pbtxt":
+        assert proc.stdout == "", "-q prints nothing"
+    else:
+        assert "2 batch-norm layer(s) synchronized across 2 towers" in proc.stdout
+        assert f"wrote {out}" in proc.stdout
+
+
+def test_convert_outputs_report_dot_tensorboard(session):
+    proc = session.runs[("convert", "pb")]
+    assert "verified: 1 rewritten graph(s) import into TensorFlow" in proc.stdout
+    report = json.load(open(os.path.join(session.root, "pb.json")))
+    assert report["schema_version"] == 1 and report["command"] == "convert"
+    assert report["input"]["format"] == "pb" and report["output"]["written"] is True
+    (graph,) = report["graphs"]
+    assert graph["status"] == "rewritten"
+    body = graph["report"]
+    assert body["totals"]["layers_synced"] == 2 and body["totals"]["collectives_added"] == 8
+    assert [row["layer"] for row in body["layers"]] == ["net/bn1", "net/bn2"]
+    dot = open(os.path.join(session.root, "layer.dot")).read()
+    assert dot.startswith("digraph") and "CollectiveReduceV2" in dot and "removed:" in dot and "dashed" in dot
+    for run in ("before", "after"):
+        events = os.listdir(os.path.join(session.root, "tb", run))
+        assert len(events) == 1 and events[0].startswith("events.out.tfevents")
+
+
+def test_convert_saved_model_report(session):
+    report = json.load(open(os.path.join(session.root, "saved.json")))
+    assert [(g["tags"], g["status"]) for g in report["graphs"]] == [(["train"], "rewritten"), (["serve"], "kept")]
+    assert "inference mode" in report["graphs"][1]["reason"]
+    assert report["verified"] is True
+
+
+def test_dry_run_writes_only_the_report(session):
+    """Also: a SavedModel's [train] MetaGraph as a .meta (--tags, --format)."""
+    proc = session.runs[("dry-run", "saved-train-meta")]
+    assert proc.returncode == 0, proc.stderr
+    assert "dry run: nothing written to" in proc.stdout and "MetaGraphDef (binary)" in proc.stdout
+    assert not os.path.exists(os.path.join(session.root, "train.meta"))
+    report = json.load(open(os.path.join(session.root, "dry.json")))
+    assert report["output"] == {"path": os.path.join(session.root, "train.meta"), "format": "meta", "written": False}
+    assert [(g["tags"], g["status"]) for g in report["graphs"]] == [(["train"], "rewritten"), (["serve"], "unselected")]
+
+
+def test_inspect_json(session):
+    proc = session.runs[("inspect", "meta")]
+    assert proc.returncode == 0, proc.stderr
+    document = json.loads(proc.stdout)
+    assert document["command"] == "inspect" and document["output"] is None
+    assert document["input"]["format"] == "meta"
+    report = document["graphs"][0]["report"]
+    assert report["towers"] == ["/device:CPU:0", "/device:CPU:1"]
+    assert [len(row["sites"]) for row in report["layers"]] == [2, 2]
+
+
+def test_force_overwrites(session):
+    proc = session.runs[("convert", "force")]
+    assert proc.returncode == 0, proc.stderr
+    assert io.load(os.path.join(session.root, "existing.pb")).format == "pb"
+    assert not [n for n in os.listdir(session.root) if n.startswith(".")], "temporary files left behind"
+
+
+def test_inspect_of_a_rewritten_graph_says_so(session):
+    proc = session.runs[("inspect", "rewritten")]
+    assert "already rewritten" in proc.stdout
+    assert_one_error_line(proc, 8, "already rewritten")
+
+
+def test_diff(session):
+    proc = session.runs[("diff", "pb")]
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert re.search(r"CollectiveReduceV2\s+0 -> 8", out)
+    assert re.search(r"FusedBatchNormGradV3\s+4 -> 0", out)
+    assert re.search(r"net/bn1: \d+ added, 4 replaced \(FusedBatchNormGradV3 x2, FusedBatchNormV3 x2\), 15 removed", out)
+    document = json.loads(session.runs[("diff-json", "saved")].stdout)
+    train, serve = document["graphs"]
+    assert train["tags"] == ["train"] and train["op_counts"]["CollectiveReduceV2"] == [0, 8]
+    assert train["layers"]["net/bn1"]["collectives"] == 4
+    assert serve["tags"] == ["serve"] and serve["op_counts"] == {} and not serve["added"] and not serve["removed"]
+
+
+def test_inputs_untouched(session, files):
+    assert tree_digest(files.root) == session.before
+
+
+# ---------------------------------------------------------------------------
+# Bad input: one line, its exit code, nothing written, input untouched
+# ---------------------------------------------------------------------------
+
+
+def _bad_cases(files, work: str) -> dict:
+    def put(name: str, data: bytes) -> str:
+        path = os.path.join(work, "inputs", name)
+        with open(path, "wb") as f:
+            f.write(data)
+        return path
+
+    os.makedirs(os.path.join(work, "inputs", "not_a_saved_model"))
+    put(os.path.join("not_a_saved_model", "notes.txt"), b"hello")
+    graph = open(files.pb, "rb").read()
+    corrupt = bytearray(graph)
+    for i in range(100, len(corrupt), 997):
+        corrupt[i] ^= 0xA5
+    put("a_file", b"x")
+    rewritten = io.rewrite(io.load(files.pb)).model
+    with io.Outputs() as outputs:
+        io.stage_model(outputs, rewritten, os.path.join(work, "inputs", "synced.pb"))
+        outputs.commit()
+    inputs = os.path.join(work, "inputs")
+    return {
+        # name: (args (OUT is {out}), exit code, message)
+        "corrupt": ([put("corrupt.pb", bytes(corrupt)), "{out}"], 3, "corrupt"),
+        "truncated": ([put("truncated.pb", graph[: len(graph) // 2]), "{out}"], 3, "truncated"),
+        "empty": ([put("empty.pb", b""), "{out}"], 3, "is empty"),
+        "jpeg": ([put("photo.jpg", b"\xff\xd8\xff\xe0\x00\x10JFIF\x00\x01\x01" + bytes(200)), "{out}"], 3, "JPEG"),
+        "text": ([put("readme.txt", b"just some notes\n"), "{out}"], 3, "text file"),
+        "not_a_saved_model": ([os.path.join(inputs, "not_a_saved_model"), "{out}"], 3, "not a SavedModel"),
+        "missing": ([os.path.join(inputs, "nope.pb"), "{out}"], 3, "does not exist"),
+        "no_batch_norm": ([files.no_bn, "{out}"], 4, "no batch-norm"),
+        "inference_only": ([files.inference, "{out}"], 5, "inference mode"),
+        "one_tower": ([files.one_tower, "{out}"], 6, "only one tower"),
+        "towers_do_not_line_up": ([files.mismatch, "{out}"], 7, "lines up"),
+        "already_rewritten": ([os.path.join(inputs, "synced.pb"), "{out}"], 8, "already rewritten"),
+        "nccl_on_cpu": ([files.pb, "{out}", "--backend", "nccl"], 9, "GPU"),
+        "out_equals_in": ([files.pb, files.pb, "--force"], 10, "is the input"),
+        "out_exists": ([files.pb, "{existing}"], 10, "already exists; pass --force"),
+        "out_dir_unwritable": ([files.pb, os.path.join(inputs, "a_file", "out.pb")], 10, "not a directory"),
+        "out_dir_missing": ([files.pb, os.path.join(work, "no", "such", "dir", "out.pb")], 10, "does not exist"),
+        "tag_missing": ([files.saved, "{out}", "--tags", "nope"], 3, r"no MetaGraph tagged \[nope\]"),
+        "tag_inference_only": ([files.saved, "{out}", "--tags", "serve"], 5, r"MetaGraph \[serve\]"),
+        "bad_group_size": ([files.pb, "{out}", "--group-size", "3"], 1, "group size 3"),
+    }
+
+
+@pytest.fixture(scope="module")
+def bad(files, tmp_path_factory):
+    work = str(tmp_path_factory.mktemp("bad"))
+    cases = _bad_cases(files, work)
+    before_models = tree_digest(files.root)
+    jobs, context = {}, {}
+    for name, (args, code, message) in cases.items():
+        case_dir = os.path.join(work, name)
+        os.makedirs(case_dir)
+        existing = os.path.join(case_dir, "existing.pb")
+        shutil.copy(files.pb, existing)
+        args = [a.format(out=os.path.join(case_dir, "out.pb"), existing=existing) for a in args]
+        inputs = [a for a in args[:1] if os.path.exists(a)]
+        context[name] = (case_dir, {p: tree_digest(p) for p in inputs}, tree_digest(case_dir), code, message)
+        jobs[name] = (["convert", *args, "--report", os.path.join(case_dir, "report.json")], case_dir)
+    results = run_all(jobs)
+    return results, context, before_models
+
+
+@pytest.mark.parametrize("name", [
+    "corrupt", "truncated", "empty", "jpeg", "text", "not_a_saved_model", "missing", "no_batch_norm",
+    "inference_only", "one_tower", "towers_do_not_line_up", "already_rewritten", "nccl_on_cpu", "out_equals_in",
+    "out_exists", "out_dir_unwritable", "out_dir_missing", "tag_missing", "tag_inference_only", "bad_group_size",
+])
+def test_bad_input(bad, files, name):
+    results, context, before_models = bad
+    proc = results[name]
+    case_dir, inputs_before, dir_before, code, message = context[name]
+    assert_one_error_line(proc, code, message)
+    assert proc.stdout == ""
+    for path, digest in inputs_before.items():
+        assert tree_digest(path) == digest, f"{path} changed"
+    assert tree_digest(case_dir) == dir_before, "something was written (OUT, the report or a temporary file)"
+    assert sorted(os.listdir(case_dir)) == ["existing.pb"]
+    assert tree_digest(files.root) == before_models
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write into a read-only directory")
+def test_read_only_output_directory(files, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        proc = bnrewrite("convert", files.pb, str(locked / "out.pb"))
+        assert_one_error_line(proc, 10, "not writable")
+        assert os.listdir(locked) == []
+    finally:
+        locked.chmod(0o755)
+
+
+# ---------------------------------------------------------------------------
+# The README's examples
+# ---------------------------------------------------------------------------
+
+
+def readme_commands() -> list[tuple[str, list[str]]]:
+    """(command, expected output lines) of every `$ bnrewrite ...` in README.md's console blocks."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    commands = []
+    for block in re.findall(r"```console\n(.*?)```", text, re.S):
+        current = None
+        for line in block.splitlines():
+            if line.startswith("$ "):
+                current = (line[2:], [])
+                commands.append(current)
+            elif current is not None:
+                current[1].append(line)
+    return [c for c in commands if c[0].startswith("bnrewrite ")]
+
+
+def test_readme_examples_run(files, tmp_path):
+    commands = readme_commands()
+    assert len(commands) >= 4, "README.md should show the command line in ```console blocks"
+    shutil.copy(files.pb, tmp_path / "model.pb")
+    shutil.copy(files.meta, tmp_path / "model.meta")
+    shutil.copytree(files.saved, tmp_path / "saved_model")
+    for command, expected in commands:
+        args = shlex.split(command)[1:]
+        proc = bnrewrite(*args, cwd=str(tmp_path))
+        errors = [line for line in expected if line.startswith("bnrewrite: error:")]
+        if errors:
+            assert proc.returncode != 0 and proc.stderr.strip() == errors[0].strip(), (command, proc.stderr)
+        else:
+            assert proc.returncode == 0, (command, proc.stderr)
+            shown = [line for line in expected if line.strip() and not line.strip().startswith("...")]
+            if shown:
+                assert shown[0].strip() in proc.stdout, (command, shown[0], proc.stdout[:500])
