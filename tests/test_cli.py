@@ -366,3 +366,47 @@ def test_readme_examples_run(files, tmp_path):
             shown = [line for line in expected if line.strip() and not line.strip().startswith("...")]
             if shown:
                 assert shown[0].strip() in proc.stdout, (command, shown[0], proc.stdout[:500])
+
+
+# ---------------------------------------------------------------------------
+# In-process: the last-resort paths
+# ---------------------------------------------------------------------------
+
+
+def _raise(exc):
+    def fail(*args, **kwargs):
+        raise exc
+    return fail
+
+
+@pytest.mark.parametrize("exc,code,message", [
+    (RuntimeError("boom"), 70, r"internal error: RuntimeError: boom \(a bnrewrite bug: please report it"),
+    (KeyboardInterrupt(), 130, "interrupted; nothing was written"),
+])
+def test_unexpected_errors_are_one_line(files, tmp_path, monkeypatch, capsys, exc, code, message):
+    from bnrewrite import cli
+
+    monkeypatch.setattr(io, "rewrite", _raise(exc))
+    assert cli.main(["convert", files.pb, str(tmp_path / "out.pb"), "--report", str(tmp_path / "r.json")]) == code
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+    assert os.listdir(tmp_path) == []
+
+
+def test_rendered_picture_needs_graphviz(files, tmp_path, monkeypatch, capsys):
+    from bnrewrite import cli, visualize
+
+    monkeypatch.setattr(visualize.shutil, "which", lambda name: None)
+    assert cli.main(["convert", files.pb, str(tmp_path / "out.pb"), "--dot", str(tmp_path / "layer.svg")]) == 10
+    err = capsys.readouterr().err
+    assert "needs Graphviz's 'dot' program" in err and "layer.dot" in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_dot_layer_must_exist(files, tmp_path, capsys):
+    from bnrewrite import cli
+
+    code = cli.main(["convert", files.pb, str(tmp_path / "out.pb"), "--dot", str(tmp_path / "l.dot"), "--dot-layer", "net/bn9"])
+    assert code == 1
+    assert "choose one of net/bn1, net/bn2" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []

@@ -353,3 +353,14 @@ def test_force_replaces_files_and_directories(tmp_path):
         outputs.commit()
     assert os.listdir(target) == ["new.txt"]
     assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_signature_naming_a_removed_op_is_an_error(files):
+    """Signatures must still resolve: one that names a duplicate update the rewrite removes fails."""
+    model = io.load(files.saved)
+    meta = model.saved_model.meta_graphs[0]
+    removed = "tower_1/net/bn1/AssignMovingAvg/ReadVariableOp"
+    assert removed in {n.name for n in meta.graph_def.node}
+    meta.signature_def["train"].outputs["stale"].name = removed + ":0"  # entries[0] holds this same message
+    with pytest.raises(GraphValidationError, match=rf"removed {removed}, which signature 'train' output 'stale'"):
+        io.rewrite(model, io.parse_tags(["train"]))
