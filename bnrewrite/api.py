@@ -85,7 +85,12 @@ def rewrite_graph(
     out_def = rewritten.to_graph_def()
     report = _report(plan, records, census, len(model), len(rewritten))
     if num_workers > 1:
-        report.notes.append(f"worker {task_index} of {num_workers}: every all-reduce spans all workers' towers")
+        report.notes.append(
+            f"worker {task_index} of {num_workers}: every all-reduce spans all workers' towers; "
+            "every worker must have the same number of towers"
+        )
+        if not timeout_seconds:
+            report.notes.append("no collective timeout: a worker that never joins makes the others wait forever")
     removed = {r["node"] for r in report.removed}
     return RewriteResult(out_def, _rewrite_meta(meta, out_def, removed) if meta is not None else None, report)
 

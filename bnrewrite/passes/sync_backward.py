@@ -15,31 +15,18 @@ from __future__ import annotations
 import numpy as np
 
 from bnrewrite.collectives import all_reduce
-from bnrewrite.graph import Editor, Graph
+from bnrewrite.graph import Graph
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_FLOAT, Builder, identity_n
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sync_forward import layer_scope
+from bnrewrite.passes.sites import SiteContext, each_site, layer_scope
 from bnrewrite.plan import Plan
 
 F = DT_FLOAT
 
 
 def sync_backward(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
-    record = PassRecord("sync_backward")
-    editor = graph.edit()
-    before = len(graph)
-    for layer, group in enumerate(plan.groups):
-        if group.sites[0].kind != "fused":
-            continue
-        for tower, site in zip(plan.towers.ids, group.sites):
-            for j, grad in enumerate(site.grads):
-                reduce_name = _rewrite_grad(editor, graph, grad, site, plan, layer, j + 1, tower, group.key)
-                record.replaced.append(grad)
-                record.collectives.append(reduce_name)
-    result = editor.finish()
-    record.added = len(result) - before
-    return result, record
+    return each_site(graph, plan, "sync_backward", "fused", _rewrite_grads)
 
 
 def broadcast_shape(site: Site) -> list[int]:
@@ -49,10 +36,15 @@ def broadcast_shape(site: Site) -> list[int]:
     return shape
 
 
-def _rewrite_grad(
-    editor: Editor, graph: Graph, grad: str, site: Site, plan: Plan, layer: int, phase: int, tower: str, key: str
-) -> str:
-    node = graph.node(grad)
+def _rewrite_grads(site: Site, ctx: SiteContext) -> None:
+    for phase, grad in enumerate(site.grads, start=1):
+        _rewrite_grad(grad, site, ctx, phase)
+        ctx.record.replaced.append(grad)
+
+
+def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
+    editor, key = ctx.editor, ctx.key
+    node = ctx.graph.node(grad)
     dy, x, scale, saved_mean, saved_rstd = node.input[:5]
     controls = [i for i in node.input if i.startswith("^")]
     b = Builder(editor, layer_scope(editor, grad, "sync_bn_grad"), node.device, key)
@@ -68,7 +60,8 @@ def _rewrite_grad(
     sum_dy = b.reduce_sum("sum_dy", dyf, axes, F, False)
     sum_dy_xc = b.reduce_sum("sum_dy_xc", b.binary("Mul", "dy_xc", dyf, centred, F), axes, F, False)
     packed = b.concat("sums", [b.count("count", x, axes, T, F), sum_dy, sum_dy_xc], F)
-    reduce_name = all_reduce(b, "all_reduce", packed, F, plan.collective(layer, phase, tower))
+    reduce_name = all_reduce(b, "all_reduce", packed, F, ctx.plan.collective(ctx.layer, phase, ctx.tower))
+    ctx.record.collectives.append(reduce_name)
 
     total, (gsum_dy, gsum_dy_xc) = b.split_count("global", reduce_name, F)
     total_safe = b.binary("Maximum", "count_safe", total, b.const("one", 1.0, np.float32), F)
@@ -88,4 +81,3 @@ def _rewrite_grad(
     empty = b.cast("empty", b.const("empty_float", np.zeros([0], np.float32), np.float32), F, U)
     outputs = [dx, dscale, doffset, empty, empty]
     editor.replace(identity_n(grad, outputs + controls, [T, U, U, U, U], node.device, key))
-    return reduce_name

@@ -12,14 +12,13 @@ which `sync_backward` reads.
 
 from __future__ import annotations
 
-import posixpath
-
 import numpy as np
 
-from bnrewrite.graph import Editor, Graph
+from bnrewrite.graph import Graph
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_FLOAT, Builder, DType, identity_n
 from bnrewrite.passes.record import PassRecord
+from bnrewrite.passes.sites import SiteContext, each_site, layer_scope
 from bnrewrite.plan import Plan
 from bnrewrite.statistics import global_moments
 
@@ -27,33 +26,17 @@ F = DT_FLOAT
 
 
 def sync_forward(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
-    record = PassRecord("sync_forward")
-    editor = graph.edit()
-    before = len(graph)
-    for layer, group in enumerate(plan.groups):
-        if group.sites[0].kind != "fused":
-            continue
-        for tower, site in zip(plan.towers.ids, group.sites):
-            reduce_name = _rewrite_site(editor, graph, site, plan, layer, tower, group.key)
-            record.replaced.append(site.name)
-            record.collectives.append(reduce_name)
-    result = editor.finish()
-    record.added = len(result) - before
-    return result, record
+    return each_site(graph, plan, "sync_forward", "fused", _rewrite_site)
 
 
-def layer_scope(editor: Editor, node_name: str, suffix: str) -> str:
-    """A fresh scope beside `node_name` (inside the layer's own name scope)."""
-    return editor.unique_name(posixpath.join(posixpath.dirname(node_name), suffix))
-
-
-def _rewrite_site(editor: Editor, graph: Graph, site: Site, plan: Plan, layer: int, tower: str, key: str) -> str:
-    node = graph.node(site.name)
+def _rewrite_site(site: Site, ctx: SiteContext) -> None:
+    editor, key = ctx.editor, ctx.key
+    node = ctx.graph.node(site.name)
     x, scale, offset, mean_in, var_in = node.input[:5]
     controls = [i for i in node.input if i.startswith("^")]
     b = Builder(editor, layer_scope(editor, site.name, "sync_bn"), node.device, key)
     T, U = site.dtype, site.stat_dtype
-    moments = global_moments(b, x, T, site.reduce_axes, plan.collective(layer, 0, tower))
+    moments = global_moments(b, x, T, site.reduce_axes, ctx.plan.collective(ctx.layer, 0, ctx.tower))
     mean, var = moments.mean, moments.variance
     eps = b.const("epsilon", site.epsilon, np.float32)
     rstd = b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", var, eps, F), F)
@@ -73,7 +56,8 @@ def _rewrite_site(editor: Editor, graph: Graph, site: Site, plan: Plan, layer: i
         outputs.append(outputs[-1])
     replacement = identity_n(site.name, outputs + controls, [T] + [U] * (len(outputs) - 1), node.device, key)
     editor.replace(replacement)
-    return moments.collective
+    ctx.record.replaced.append(site.name)
+    ctx.record.collectives.append(moments.collective)
 
 
 def _blend(b: Builder, name: str, value: str, running: str, site: Site) -> str:

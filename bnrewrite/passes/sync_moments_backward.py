@@ -14,40 +14,37 @@ import numpy as np
 
 from bnrewrite.collectives import all_reduce
 from bnrewrite.graph import Graph
+from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_FLOAT, DT_INT32, Builder, DType
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sync_forward import layer_scope
+from bnrewrite.passes.sites import SiteContext, each_site, layer_scope
 from bnrewrite.plan import Plan
 
 F = DT_FLOAT
 
 
 def sync_moments_backward(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
-    record = PassRecord("sync_moments_backward")
-    editor = graph.edit()
-    before = len(graph)
-    for layer, group in enumerate(plan.groups):
-        if group.sites[0].kind != "moments":
-            continue
-        for tower, site in zip(plan.towers.ids, group.sites):
-            x = graph.node(site.name).input[0]
-            for j, reshapes in enumerate(zip(site.grads, site.variance_grads)):
-                device = graph.node(reshapes[0]).device
-                b = Builder(editor, layer_scope(editor, reshapes[0], "sync_moments_grad"), device, group.key)
-                flat = b.const("flat", [-1])
-                incoming = [graph.node(r).input[0] for r in reshapes]
-                local = [b.cast(f"g{i}_float", b.reshape(f"g{i}_flat", g, flat, site.dtype), site.dtype, F) for i, g in enumerate(incoming)]
-                count = b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, F)
-                reduced = all_reduce(b, "all_reduce", b.concat("sums", [count, *local], F), F, plan.collective(layer, j + 1, tower))
-                total, sums = b.split_count("global", reduced, F)
-                one = b.const("one", 1.0, np.float32)
-                share = b.binary("RealDiv", "share", count, b.binary("Maximum", "count_safe", total, one, F), F)
-                for i, (reshape, g, summed) in enumerate(zip(reshapes, incoming, sums)):
-                    shape = b.node("Shape", f"g{i}_shape", [g], T=DType(site.dtype), out_type=DType(DT_INT32))
-                    scaled = b.cast(f"g{i}_scaled", b.binary("Mul", f"g{i}_share", summed, share, F), F, site.dtype)
-                    editor.mutable(reshape).input[0] = b.reshape(f"g{i}_global", scaled, shape, site.dtype)
-                    record.replaced.append(reshape)
-                record.collectives.append(reduced)
-    result = editor.finish()
-    record.added = len(result) - before
-    return result, record
+    return each_site(graph, plan, "sync_moments_backward", "moments", _rewrite_site)
+
+
+def _rewrite_site(site: Site, ctx: SiteContext) -> None:
+    graph, editor = ctx.graph, ctx.editor
+    x = graph.node(site.name).input[0]
+    for phase, reshapes in enumerate(zip(site.grads, site.variance_grads), start=1):
+        device = graph.node(reshapes[0]).device
+        b = Builder(editor, layer_scope(editor, reshapes[0], "sync_moments_grad"), device, ctx.key)
+        flat = b.const("flat", [-1])
+        incoming = [graph.node(r).input[0] for r in reshapes]
+        local = [b.cast(f"g{i}_float", b.reshape(f"g{i}_flat", g, flat, site.dtype), site.dtype, F) for i, g in enumerate(incoming)]
+        count = b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, F)
+        key = ctx.plan.collective(ctx.layer, phase, ctx.tower)
+        reduced = all_reduce(b, "all_reduce", b.concat("sums", [count, *local], F), F, key)
+        total, sums = b.split_count("global", reduced, F)
+        one = b.const("one", 1.0, np.float32)
+        share = b.binary("RealDiv", "share", count, b.binary("Maximum", "count_safe", total, one, F), F)
+        for i, (reshape, g, summed) in enumerate(zip(reshapes, incoming, sums)):
+            shape = b.node("Shape", f"g{i}_shape", [g], T=DType(site.dtype), out_type=DType(DT_INT32))
+            scaled = b.cast(f"g{i}_scaled", b.binary("Mul", f"g{i}_share", summed, share, F), F, site.dtype)
+            editor.mutable(reshape).input[0] = b.reshape(f"g{i}_global", scaled, shape, site.dtype)
+            ctx.record.replaced.append(reshape)
+        ctx.record.collectives.append(reduced)

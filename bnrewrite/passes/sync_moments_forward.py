@@ -10,9 +10,10 @@ StopGradient the variance's gradient reads) then sees global statistics unchange
 from __future__ import annotations
 
 from bnrewrite.graph import Graph
+from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_FLOAT, DT_INT32, Builder, DType, identity_n
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sync_forward import layer_scope
+from bnrewrite.passes.sites import SiteContext, each_site, layer_scope
 from bnrewrite.plan import Plan
 from bnrewrite.statistics import global_moments
 
@@ -20,25 +21,20 @@ F = DT_FLOAT
 
 
 def sync_moments_forward(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
-    record = PassRecord("sync_moments_forward")
-    editor = graph.edit()
-    before = len(graph)
-    for layer, group in enumerate(plan.groups):
-        if group.sites[0].kind != "moments":
-            continue
-        for tower, site in zip(plan.towers.ids, group.sites):
-            node = graph.node(site.name)
-            b = Builder(editor, layer_scope(editor, site.name, "sync_moments"), node.device, group.key)
-            moments = global_moments(b, node.input[0], site.dtype, site.reduce_axes, plan.collective(layer, 0, tower))
-            shape = b.node("Shape", "keep_dims_shape", [moments.local_sum], T=DType(F), out_type=DType(DT_INT32))
-            for name, value in ((site.name, moments.mean), (site.variance, moments.variance)):
-                if site.keep_dims:
-                    value = b.reshape(f"{value.rsplit('/', 1)[1]}_kept", value, shape, F)
-                value = b.cast(f"{value.rsplit('/', 1)[1]}_out", value, F, site.dtype)
-                controls = [i for i in graph.node(name).input if i.startswith("^")]
-                editor.replace(identity_n(name, [value, *controls], [site.dtype], graph.node(name).device, group.key))
-                record.replaced.append(name)
-            record.collectives.append(moments.collective)
-    result = editor.finish()
-    record.added = len(result) - before
-    return result, record
+    return each_site(graph, plan, "sync_moments_forward", "moments", _rewrite_site)
+
+
+def _rewrite_site(site: Site, ctx: SiteContext) -> None:
+    graph, editor = ctx.graph, ctx.editor
+    node = graph.node(site.name)
+    b = Builder(editor, layer_scope(editor, site.name, "sync_moments"), node.device, ctx.key)
+    moments = global_moments(b, node.input[0], site.dtype, site.reduce_axes, ctx.plan.collective(ctx.layer, 0, ctx.tower))
+    shape = b.node("Shape", "keep_dims_shape", [moments.local_sum], T=DType(F), out_type=DType(DT_INT32))
+    for name, value in ((site.name, moments.mean), (site.variance, moments.variance)):
+        if site.keep_dims:
+            value = b.reshape(f"{value.rsplit('/', 1)[1]}_kept", value, shape, F)
+        value = b.cast(f"{value.rsplit('/', 1)[1]}_out", value, F, site.dtype)
+        controls = [i for i in graph.node(name).input if i.startswith("^")]
+        editor.replace(identity_n(name, [value, *controls], [site.dtype], graph.node(name).device, ctx.key))
+        ctx.record.replaced.append(name)
+    ctx.record.collectives.append(moments.collective)

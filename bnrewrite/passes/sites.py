@@ -1,0 +1,44 @@
+"""The loop the sync passes share: visit every site of one kind, tower by tower."""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+from typing import Callable
+
+from bnrewrite.graph import Editor, Graph
+from bnrewrite.match.sites import Site
+from bnrewrite.passes.record import PassRecord
+from bnrewrite.plan import Plan
+
+
+@dataclass(frozen=True)
+class SiteContext:
+    """What a site rewrite needs besides the site: where to write and which keys to use."""
+
+    editor: Editor
+    graph: Graph
+    plan: Plan
+    layer: int  # index of the site's layer group: its all-reduce keys derive from it
+    tower: str
+    key: str  # the layer's name, marked on every new node
+    record: PassRecord
+
+
+def each_site(graph: Graph, plan: Plan, name: str, kind: str, rewrite: Callable[[Site, SiteContext], None]) -> tuple[Graph, PassRecord]:
+    """Run `rewrite` on every synced site of `kind`; returns the new graph and the record."""
+    record = PassRecord(name)
+    editor = graph.edit()
+    for layer, group in enumerate(plan.groups):
+        if group.sites[0].kind != kind:
+            continue
+        for tower, site in zip(plan.towers.ids, group.sites):
+            rewrite(site, SiteContext(editor, graph, plan, layer, tower, group.key, record))
+    result = editor.finish()
+    record.added = len(result) - len(graph)
+    return result, record
+
+
+def layer_scope(editor: Editor, node_name: str, suffix: str) -> str:
+    """A fresh scope beside `node_name` (inside the layer's own name scope)."""
+    return editor.unique_name(posixpath.join(posixpath.dirname(node_name), suffix))
