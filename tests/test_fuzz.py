@@ -480,10 +480,10 @@ def test_known_core_crash_bn_missing_an_input(bases):
 
 def test_fuzz_totals():
     """At least 1,000 mutated graphs went through, and none ended in an invalid output."""
-    total = sum(TOTALS.values())
+    total = sum(c for (_, o), c in TOTALS.items() if "skipped" not in o)
     if total == 0:
         pytest.skip("run with the other fuzz tests")
-    lines = [f"fuzz totals: {total} graphs"]
+    lines = [f"fuzz totals: {total} graphs rewritten or rejected ({sum(TOTALS.values()) - total} skipped)"]
     for suite in sorted({s for s, _ in TOTALS}):
         row = {o: c for (s, o), c in TOTALS.items() if s == suite}
         lines.append(f"  {suite}: " + ", ".join(f"{o} {c}" for o, c in sorted(row.items(), key=lambda kv: -kv[1])))
