@@ -14,10 +14,10 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from bnrewrite import __version__
-from bnrewrite import errors
+from bnrewrite import __version__, errors
 from bnrewrite.errors import BnRewriteError, OutputError
 
 PROG = "bnrewrite"
@@ -432,7 +432,7 @@ def _entries_summary(model: Any) -> str:
     return f"{len(model.entries[0].graph_def.node)} nodes"
 
 
-def _print_outcome(out: "_Printer", outcome: Any, multiple: bool) -> None:
+def _print_outcome(out: _Printer, outcome: Any, multiple: bool) -> None:
     head = f"MetaGraph {outcome.entry.label}: " if multiple else ""
     if outcome.report is None:
         out.line(f"{head}kept unchanged: {outcome.kept}")
@@ -449,7 +449,7 @@ def _print_outcome(out: "_Printer", outcome: Any, multiple: bool) -> None:
     out.line("")
 
 
-def _print_unselected(out: "_Printer", model: Any, chosen: list[Any]) -> None:
+def _print_unselected(out: _Printer, model: Any, chosen: list[Any]) -> None:
     if not model.is_saved_model:
         return
     picked = {e.index for e in chosen}
@@ -585,7 +585,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_census(out: "_Printer", entry: Any, head: str) -> None:
+def _print_census(out: _Printer, entry: Any, head: str) -> None:
     from bnrewrite.graph import Graph
     from bnrewrite.match.sites import scan
 
@@ -602,7 +602,7 @@ def _print_census(out: "_Printer", entry: Any, head: str) -> None:
         out.line(f"  unsupported: {skip.node}: {skip.reason}")
 
 
-def _print_plan(out: "_Printer", outcome: Any, head: str) -> None:
+def _print_plan(out: _Printer, outcome: Any, head: str) -> None:
     report = outcome.report
     if report is None:
         out.line(f"{head}nothing to do, kept unchanged: {outcome.kept}")
@@ -693,7 +693,7 @@ def _pair_entries(io: Any, a: Any, b: Any, tag_sets: Any, args: argparse.Namespa
     return [("", ea[0], eb[0])]
 
 
-def _print_diff(out: "_Printer", d: dict[str, Any]) -> None:
+def _print_diff(out: _Printer, d: dict[str, Any]) -> None:
     out.line(f"nodes: {d['nodes_a']} -> {d['nodes_b']} ({d['nodes_b'] - d['nodes_a']:+d}): "
              f"{len(d['added'])} added, {len(d['removed'])} removed, {len(d['changed'])} changed")
     if d["op_counts"]:

@@ -17,18 +17,17 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
-
 from functools import cache
 from types import SimpleNamespace
+from typing import Any
 
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import text_format
 
 from bnrewrite.errors import (
-    AlreadyRewrittenError,
     BnRewriteError,
     GraphValidationError,
     InferenceOnlyError,
@@ -336,7 +335,7 @@ def _saved_model_problem(saved: Any) -> str | None:
     for i, meta in enumerate(saved.meta_graphs):
         problem = _meta_problem(meta)
         if problem:
-            return f"its MetaGraph {i} {problem[3:] if problem.startswith('it ') else problem}"
+            return f"its MetaGraph {i} {problem.removeprefix('it ')}"
     return None
 
 
@@ -788,7 +787,7 @@ class Outputs:
                 pass
         self.made.clear()
 
-    def __enter__(self) -> "Outputs":
+    def __enter__(self) -> Outputs:
         return self
 
     def __exit__(self, *exc: object) -> None:

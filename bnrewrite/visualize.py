@@ -15,7 +15,8 @@ import posixpath
 import shutil
 import subprocess
 from collections import Counter, defaultdict
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from bnrewrite.errors import BnRewriteError, OutputError
 
@@ -241,7 +242,7 @@ def _why(why: str) -> str:
 
 def _cluster(tag: str, title: str, nodes: dict[str, Any], core: list[str], removed: dict[str, str], status: Any,
              removed_from: dict[str, Any] | None = None) -> list[str]:
-    from bnrewrite.graph import parse_input  # noqa: PLC0415 - keeps this module TensorFlow-free at import
+    from bnrewrite.graph import parse_input
 
     core_set = dict.fromkeys(n for n in core if n in nodes)
     consumers: dict[str, list[tuple[str, bool]]] = defaultdict(list)
@@ -260,7 +261,7 @@ def _cluster(tag: str, title: str, nodes: dict[str, Any], core: list[str], remov
                 context[consumer] = None
     everything = {**core_set, **context}
     prefix = os.path.commonprefix([n for n in core_set]).rsplit("/", 1)[0] if len(core_set) > 1 else ""
-    ident = lambda name: _quote(f"{tag}:{name}")  # noqa: E731
+    ident = lambda name: _quote(f"{tag}:{name}")
     lines = [f"  subgraph cluster_{tag} {{", f"    label={_quote(title)}; fontsize=12; color=\"#888888\";"]
     for name in everything:
         kind = status(name) if name in core_set else "context"

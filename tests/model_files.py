@@ -22,8 +22,16 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 from google.protobuf import text_format
-
-from models import FILTERS, NUM_CLASSES, Built, Result, Spec, build_towers, image_shape, initial_values, session_config
+from models import (
+    FILTERS,
+    Built,
+    Result,
+    Spec,
+    build_towers,
+    image_shape,
+    initial_values,
+    session_config,
+)
 
 SPEC = Spec(towers=2, batch=4, layer="legacy", data_format="NHWC")
 
@@ -47,7 +55,7 @@ class ModelFiles:
 
 def write_models(directory: str, spec: Spec = SPEC) -> ModelFiles:
     os.makedirs(directory, exist_ok=True)
-    path = lambda name: os.path.join(directory, name)  # noqa: E731
+    path = lambda name: os.path.join(directory, name)
     built = build_towers(spec)
     graph_def = built.graph.as_graph_def()
     _write(path("towers.pb"), graph_def.SerializeToString())

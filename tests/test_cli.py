@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
+from model_files import cached_models, tree_digest
 
 from bnrewrite import io
 from bnrewrite.cli import EXIT_CODES
-from model_files import cached_models, tree_digest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -65,7 +65,7 @@ def test_help_has_examples(command):
     assert "examples:" in proc.stdout
     if not command:
         for code, _, _ in EXIT_CODES:
-            assert re.search(rf"^\s+{code}\s", proc.stdout, re.M), code
+            assert re.search(rf"^\s+{code}\s", proc.stdout, re.MULTILINE), code
 
 
 def test_usage_errors_are_one_line():
@@ -338,7 +338,7 @@ def readme_commands() -> list[tuple[str, list[str]]]:
     """(command, expected output lines) of every `$ bnrewrite ...` in README.md's console blocks."""
     text = open(os.path.join(ROOT, "README.md")).read()
     commands = []
-    for block in re.findall(r"```console\n(.*?)```", text, re.S):
+    for block in re.findall(r"```console\n(.*?)```", text, re.DOTALL):
         current = None
         for line in block.splitlines():
             if line.startswith("$ "):

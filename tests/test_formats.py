@@ -12,10 +12,17 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from google.protobuf import text_format
-
-from bnrewrite import BnRewriteError, GraphValidationError, InferenceOnlyError, InputFormatError, OutputError, io
 from model_files import cached_models, train_meta, train_saved_model, tree_digest
 from models import build_reference, make_batches, max_rel_error, train
+
+from bnrewrite import (
+    BnRewriteError,
+    GraphValidationError,
+    InferenceOnlyError,
+    InputFormatError,
+    OutputError,
+    io,
+)
 
 STEPS = 3
 TOLERANCE = 2e-4
@@ -331,11 +338,10 @@ def test_failed_write_leaves_nothing(tmp_path):
         (open(os.path.join(directory, "half"), "wb")).write(b"partial")
         raise OSError(28, "No space left on device")
 
-    with pytest.raises(OutputError, match="No space left"):
-        with io.Outputs() as outputs:
-            outputs.stage_bytes(str(existing), b"new")
-            outputs.stage_dir(str(target), explode)
-            outputs.commit()
+    with pytest.raises(OutputError, match="No space left"), io.Outputs() as outputs:
+        outputs.stage_bytes(str(existing), b"new")
+        outputs.stage_dir(str(target), explode)
+        outputs.commit()
     assert sorted(os.listdir(tmp_path)) == ["existing.pb"]
     assert existing.read_bytes() == b"old"
 
