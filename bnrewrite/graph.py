@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 from tensorflow.core.framework import graph_pb2, node_def_pb2
 
@@ -24,8 +24,7 @@ NodeDef = node_def_pb2.NodeDef
 _LOOP_BACK_OPS = frozenset({"NextIteration", "RefNextIteration"})
 
 
-@dataclass(frozen=True)
-class Edge:
+class Edge(NamedTuple):
     """One input of `consumer`: slot -1 marks a control edge."""
 
     consumer: str
@@ -92,17 +91,23 @@ class Device:
 
 
 class Graph:
-    """Nodes by name, in GraphDef order, plus lazily built indexes."""
+    """Nodes by name, in GraphDef order, plus lazily built indexes.
+
+    A Graph never changes, so its indexes are built at most once; `Editor.finish()` hands the
+    new Graph its base's consumer index updated for what the edit touched.
+    """
 
     def __init__(
         self,
         nodes: dict[str, NodeDef],
         library: object = None,
         versions: object = None,
+        consumers: dict[str, list[Edge]] | None = None,
     ) -> None:
         self._nodes = nodes
         self.library = library
         self.versions = versions
+        self._consumers = consumers
 
     @classmethod
     def from_graph_def(cls, graph_def: graph_pb2.GraphDef) -> "Graph":
@@ -142,15 +147,15 @@ class Graph:
     def edit(self) -> "Editor":
         return Editor(self)
 
-    @cached_property
+    @property
     def consumers(self) -> dict[str, list[Edge]]:
-        """Producer name -> the edges that read it (data and control)."""
-        index: dict[str, list[Edge]] = {}
-        for node in self._nodes.values():
-            for slot, spec in enumerate(node.input):
-                src, output = parse_input(spec)
-                index.setdefault(src, []).append(Edge(node.name, -1 if output < 0 else slot, output))
-        return index
+        """Producer name -> the edges that read it (data and control), in graph order.
+
+        Shared with the graphs edited from this one: never change it.
+        """
+        if self._consumers is None:
+            self._consumers = _consumer_index(self._nodes.values())
+        return self._consumers
 
     def consumers_of(self, name: str, output: int | None = None) -> list[Edge]:
         """Edges reading `name` (any output, or only `output`; -1 selects control edges)."""
@@ -180,40 +185,54 @@ class Graph:
 
         Raises GraphValidationError naming nodes on a cycle when there is one.
         """
-        indegree = {name: 0 for name in self._nodes}
-        for node in self._nodes.values():
-            for spec in node.input:
-                src, _ = parse_input(spec)
-                if src in self._nodes and self._nodes[src].op not in _LOOP_BACK_OPS:
-                    indegree[node.name] += 1
+        return list(self._topological_order)
+
+    @cached_property
+    def _topological_order(self) -> tuple[str, ...]:
+        nodes = self._nodes
+        consumers = self.consumers
+        loop_back = {name for name, node in nodes.items() if node.op in _LOOP_BACK_OPS}
+        indegree = dict.fromkeys(nodes, 0)
+        for src, edges in consumers.items():
+            if src in nodes and src not in loop_back:
+                for consumer, _, _ in edges:
+                    indegree[consumer] += 1
         ready = [name for name, d in indegree.items() if d == 0]
         order: list[str] = []
-        consumers = self.consumers
         while ready:
             name = ready.pop()
             order.append(name)
-            if self._nodes[name].op in _LOOP_BACK_OPS:
+            if name in loop_back:
                 continue
-            for edge in consumers.get(name, ()):
-                indegree[edge.consumer] -= 1
-                if indegree[edge.consumer] == 0:
-                    ready.append(edge.consumer)
-        if len(order) != len(self._nodes):
+            for consumer, _, _ in consumers.get(name, ()):
+                indegree[consumer] -= 1
+                if indegree[consumer] == 0:
+                    ready.append(consumer)
+        if len(order) != len(nodes):
             stuck = sorted(n for n, d in indegree.items() if d > 0)[:5]
             raise GraphValidationError(f"the graph has a cycle through {', '.join(stuck)}")
-        return order
+        return tuple(order)
 
     def validate(self) -> None:
         """Every input resolves to a node and there is no cycle.
 
         Names are unique by construction (a dict), so that check lives in `Editor.add`.
         """
-        for node in self._nodes.values():
-            for spec in node.input:
-                src, _ = parse_input(spec)
-                if src not in self._nodes:
-                    raise GraphValidationError(f"node {node.name!r} reads {spec!r}, which does not exist")
+        if self.consumers.keys() - self._nodes.keys():
+            for node in self._nodes.values():  # name the first dangling input in graph order
+                for spec in node.input:
+                    if parse_input(spec)[0] not in self._nodes:
+                        raise GraphValidationError(f"node {node.name!r} reads {spec!r}, which does not exist")
         self.topological_order()
+
+
+def _consumer_index(nodes: Iterable[NodeDef]) -> dict[str, list[Edge]]:
+    index: dict[str, list[Edge]] = {}
+    for node in nodes:
+        for slot, spec in enumerate(node.input):
+            src, output = parse_input(spec)
+            index.setdefault(src, []).append(Edge(node.name, -1 if output < 0 else slot, output))
+    return index
 
 
 _device_cache: dict[str, Device] = {}
@@ -233,6 +252,7 @@ class Editor:
         self._base = base
         self._nodes = dict(base._nodes)
         self._copied: set[str] = set()
+        self._removed: set[str] = set()
 
     def __contains__(self, name: object) -> bool:
         return name in self._nodes
@@ -255,6 +275,7 @@ class Editor:
 
     def remove(self, name: str) -> None:
         del self._nodes[name]
+        self._removed.add(name)
 
     def mutable(self, name: str) -> NodeDef:
         """The node itself, copied first if it still belongs to the base graph."""
@@ -274,4 +295,32 @@ class Editor:
         return f"{base}_{i}"
 
     def finish(self) -> Graph:
-        return Graph(self._nodes, self._base.library, self._base.versions)
+        consumers = self._base._consumers
+        if consumers is not None:
+            consumers = self._updated_consumers(consumers)
+        return Graph(self._nodes, self._base.library, self._base.versions, consumers)
+
+    def _updated_consumers(self, base: dict[str, list[Edge]]) -> dict[str, list[Edge]]:
+        """`base` (the base graph's index) with the edges of every touched node replaced.
+
+        Only the lists of producers a touched node read or reads are rebuilt, in graph order,
+        so the result equals an index built from scratch; the others are shared with `base`.
+        """
+        touched = self._copied | self._removed
+        new_edges = _consumer_index(self._nodes[name] for name in touched if name in self._nodes)
+        producers = set(new_edges)
+        for name in touched:
+            if name in self._base:
+                producers.update(parse_input(spec)[0] for spec in self._base.node(name).input)
+        if not producers:
+            return base
+        position = {name: i for i, name in enumerate(self._nodes)}
+        index = dict(base)
+        for src in producers:
+            edges = [e for e in base.get(src, ()) if e.consumer not in touched] + new_edges.get(src, [])
+            if edges:
+                edges.sort(key=lambda e: position[e.consumer])
+                index[src] = edges
+            else:
+                index.pop(src, None)
+        return index
