@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from bnrewrite.collectives import Collective, choose_backend
-from bnrewrite.errors import BnRewriteError
+from bnrewrite.errors import BnRewriteError, NoTowersError, TowerMismatchError
 from bnrewrite.graph import Graph
 from bnrewrite.match.sites import Census
 from bnrewrite.match.towers import LayerGroup, Towers, group_towers
@@ -62,7 +62,13 @@ class Plan:
 
 
 def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
-    towers = group_towers(graph, census.sites, options.tower_by, min_towers=1 if options.num_workers > 1 else 2)
+    try:
+        towers = group_towers(graph, census.sites, options.tower_by, min_towers=1 if options.num_workers > 1 else 2)
+    except (NoTowersError, TowerMismatchError) as exc:
+        if not census.skips:
+            raise
+        first = census.skips[0]
+        raise type(exc)(f"{exc} ({len(census.skips)} batch-norm op(s) skipped, e.g. {first.node}: {first.reason})") from None
     size = options.group_size or len(towers.ids)
     if options.num_workers < 1 or not 0 <= options.task_index < options.num_workers:
         raise BnRewriteError(f"task index {options.task_index} is not one of the {options.num_workers} workers")

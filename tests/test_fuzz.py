@@ -230,27 +230,8 @@ def _runs(graph_def) -> str | None:
     return None
 
 
-def _grad_miswired(graph_def) -> bool:
-    """Some FusedBatchNormGrad* reads its forward op's outputs at slots that do not hold them."""
-    forward = {n.name for n in graph_def.node if n.op in BN_OPS}
-    for node in graph_def.node:
-        if not node.op.startswith("FusedBatchNormGrad"):
-            continue
-        for slot, spec in enumerate(node.input):
-            name, _, index = spec.lstrip("^").partition(":")
-            if name in forward and not spec.startswith("^") and (slot < 3 or index != str(slot)):
-                return True
-    return False
-
-
 def _graph_of(message):
     return message.graph_def if isinstance(message, tf.compat.v1.MetaGraphDef) else message
-
-
-def _known_core_crash(exc: Exception, graph_def) -> bool:
-    """The core crash reported with test_known_core_crash_bn_missing_an_input (see there)."""
-    short = [n for n in graph_def.node if n.op in BN_OPS and sum(not i.startswith("^") for i in n.input) < 5]
-    return isinstance(exc, (ValueError, IndexError)) and bool(short)
 
 
 def _through_api(graph_def, log, suite: str) -> str:
@@ -258,11 +239,6 @@ def _through_api(graph_def, log, suite: str) -> str:
         result = rewrite_graph(graph_def)
     except BnRewriteError as exc:
         outcome = type(exc).__name__
-    except Exception as exc:
-        if not _known_core_crash(exc, _graph_of(graph_def)):
-            raise
-        TOTALS[(suite, "KNOWN CORE CRASH: batch norm with < 5 inputs")] += 1
-        return "known crash"
     else:
         problem = _imports(result.graph_def)
         if problem is None:
@@ -271,11 +247,6 @@ def _through_api(graph_def, log, suite: str) -> str:
             # rewrite_graph does not import its input; an input TensorFlow rejects gives an output
             # it rejects too. The command line's --verify turns this into InputFormatError.
             outcome = "input not importable, output neither"
-        elif _grad_miswired(_graph_of(graph_def)):
-            # Known core limitation (reported): matching trusts a gradient op's input slots, so a
-            # gradient fed reserve_space_3 as dy (which TensorFlow imports and even runs) is
-            # rewritten into a graph that no longer imports.
-            outcome = "KNOWN ISSUE: gradient op fed the wrong tensors"
         elif _runs(_graph_of(graph_def)) is not None:
             # Imports, but cannot run a step (e.g. a gradient op fed the wrong tensor, which
             # import-time shape inference lets through): nothing a rewrite can keep valid.
@@ -304,11 +275,6 @@ def _through_cli_path(data: bytes, log, suite: str, verify: bool = True) -> str:
         io.serialize(io.as_format(rewrite.model, model.format))
     except BnRewriteError as exc:
         outcome = type(exc).__name__
-    except Exception as exc:
-        if not _known_core_crash(exc, _parsed(data)):
-            raise
-        TOTALS[(suite, "KNOWN CORE CRASH: batch norm with < 5 inputs")] += 1
-        return "known crash"
     else:
         for outcome_ in rewrite.outcomes if not verify else ():  # --verify imported them already
             problem = _imports(outcome_.result.graph_def)
@@ -465,16 +431,23 @@ def test_cli_subprocess_mutants(bases, tmp_path):
             TOTALS[("subprocess", f"exit {proc.returncode}")] += 1
 
 
-@pytest.mark.xfail(strict=True, reason="core crash reported to the core's owners: a training batch norm "
-                   "with fewer than 5 data inputs reaches sync_forward's `x, scale, offset, mean, var = node.input[:5]`")
-def test_known_core_crash_bn_missing_an_input(bases):
-    """Minimal reproducer: drop the last input of one FusedBatchNormV3. The graph no longer imports,
-    but rewrite_graph should say so with a BnRewriteError, not a ValueError. When this passes,
-    remove `_known_core_crash`."""
+def test_batch_norm_missing_an_input_is_a_clear_error(bases):
+    """A training batch norm with 4 data inputs is skipped with its reason, never a crash."""
     gd = tf.compat.v1.GraphDef()
     gd.CopyFrom(bases["small_nhwc"])
     del _bn_nodes(gd)[0].input[4]
-    with pytest.raises(BnRewriteError):
+    with pytest.raises(BnRewriteError, match="data inputs instead of 5"):
+        rewrite_graph(gd)
+
+
+def test_gradient_fed_the_wrong_tensors_is_skipped(bases):
+    """A gradient op whose dy reads the forward op's reserve space (TensorFlow imports and runs
+    that) is not the gradient tf.gradients builds: its layer is left alone, with the reason."""
+    gd = tf.compat.v1.GraphDef()
+    gd.CopyFrom(bases["small_nhwc"])
+    grad = next(n for n in gd.node if n.op.startswith("FusedBatchNormGrad"))
+    grad.input[0], grad.input[5] = grad.input[5], grad.input[0]
+    with pytest.raises(BnRewriteError, match="does not read the op's input x"):
         rewrite_graph(gd)
 
 

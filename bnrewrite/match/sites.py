@@ -56,6 +56,9 @@ class Site:
     axes: tuple[int, ...] = ()
     keep_dims: bool = True
     variance_grads: tuple[str, ...] = ()
+    #: (node, output, statistic) outside the site's function body that carry its statistics
+    #: (the outputs of the If whose branch holds it); moving-average updates are found from these too.
+    exits: tuple[tuple[str, int, str], ...] = ()
 
     @property
     def channel_axis(self) -> int:
@@ -71,8 +74,8 @@ class Site:
     def statistics(self) -> list[tuple[str, int, str]]:
         """(node, output, statistic) of the batch statistics that moving averages read."""
         if self.kind == "moments":
-            return [(self.name, 0, "mean"), (self.variance, 0, "variance")]
-        return [(self.name, 1, "mean"), (self.name, 2, "variance")]
+            return [(self.name, 0, "mean"), (self.variance, 0, "variance"), *self.exits]
+        return [(self.name, 1, "mean"), (self.name, 2, "variance"), *self.exits]
 
     @property
     def dtype_name(self) -> str:
@@ -269,16 +272,29 @@ def _channels(graph: Graph, variable: str | None) -> int | None:
     return dims[0].size if len(dims) == 1 and dims[0].size >= 0 else None
 
 
+def _grad_mismatch(graph: Graph, forward: str, grad: str, slot: int) -> str:
+    """Why `grad` is not the gradient of `forward` as tf.gradients builds it ("" if it is)."""
+    inputs = graph.inputs(grad)
+    if slot != 3 or len(inputs) < 5:
+        return f"{grad} reads reserve_space_1 at input {slot} of {len(inputs)}, not as a gradient would"
+    if not _attr(graph.node(grad), "is_training", True):
+        return f"its gradient {grad} is in inference mode"
+    if any(src == forward for src, _ in inputs[:3]) or inputs[1] != graph.inputs(forward)[0]:
+        return f"{grad} does not read the op's input x and an incoming gradient as tf.gradients builds it"
+    return ""
+
+
 def _fused_site(graph: Graph, node: object) -> tuple[Site | None, str]:
     name = node.name  # type: ignore[attr-defined]
+    if len(graph.inputs(name)) != 5:
+        return None, f"has {len(graph.inputs(name))} data inputs instead of 5 (x, scale, offset, mean, variance)"
     grads = []
     for consumer, slot in follow_identities(graph, name, 3):
         op = graph.node(consumer).op
         if op in FUSED_GRAD:
-            if slot != 3:
-                return None, f"{consumer} reads reserve_space_1 at input {slot}, not as a gradient would"
-            if not _attr(graph.node(consumer), "is_training", True):
-                return None, f"its gradient {consumer} is in inference mode"
+            reason = _grad_mismatch(graph, name, consumer, slot)
+            if reason:
+                return None, reason
             grads.append(consumer)
     data_format = str(_attr(node, "data_format", "NHWC"))
     if data_format not in ("NHWC", "NCHW", "NDHWC", "NCDHW"):

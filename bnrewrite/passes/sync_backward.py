@@ -47,7 +47,10 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     node = ctx.graph.node(grad)
     dy, x, scale, saved_mean, saved_rstd = node.input[:5]
     controls = [i for i in node.input if i.startswith("^")]
-    b = Builder(editor, layer_scope(editor, grad, "sync_bn_grad"), node.device, key)
+    # On the tower's device, wherever tf.gradients put the gradient: an all-reduce needs
+    # one member per tower device.
+    device = ctx.graph.node(site.name).device
+    b = Builder(editor, layer_scope(editor, grad, "sync_bn_grad"), device, key)
     T, U = site.dtype, site.stat_dtype
     axes = b.const("axes", site.reduce_axes)
     shape = b.const("channel_shape", broadcast_shape(site))
@@ -80,4 +83,4 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     doffset = b.cast("doffset", sum_dy, F, U)
     empty = b.cast("empty", b.const("empty_float", np.zeros([0], np.float32), np.float32), F, U)
     outputs = [dx, dscale, doffset, empty, empty]
-    editor.replace(identity_n(grad, outputs + controls, [T, U, U, U, U], node.device, key))
+    editor.replace(identity_n(grad, outputs + controls, [T, U, U, U, U], device, key))

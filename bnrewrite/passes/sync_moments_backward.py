@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from bnrewrite.collectives import all_reduce
+from bnrewrite.errors import PassError
+from bnrewrite.functions import in_body
 from bnrewrite.graph import Graph
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_FLOAT, DT_INT32, Builder, DType
@@ -30,13 +32,13 @@ def sync_moments_backward(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
 def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     graph, editor = ctx.graph, ctx.editor
     x = graph.node(site.name).input[0]
+    device = graph.node(site.name).device  # the tower's: one all-reduce member per tower device
     for phase, reshapes in enumerate(zip(site.grads, site.variance_grads), start=1):
-        device = graph.node(reshapes[0]).device
         b = Builder(editor, layer_scope(editor, reshapes[0], "sync_moments_grad"), device, ctx.key)
         flat = b.const("flat", [-1])
         incoming = [graph.node(r).input[0] for r in reshapes]
         local = [b.cast(f"g{i}_float", b.reshape(f"g{i}_flat", g, flat, site.dtype), site.dtype, F) for i, g in enumerate(incoming)]
-        count = b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, F)
+        count = _local_count(b, graph, reshapes[0], x, site)
         key = ctx.plan.collective(ctx.layer, phase, ctx.tower)
         reduced = all_reduce(b, "all_reduce", b.concat("sums", [count, *local], F), F, key)
         total, sums = b.split_count("global", reduced, F)
@@ -48,3 +50,15 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
             editor.mutable(reshape).input[0] = b.reshape(f"g{i}_global", scaled, shape, site.dtype)
             ctx.record.replaced.append(reshape)
         ctx.record.collectives.append(reduced)
+
+
+def _local_count(b: Builder, graph: Graph, reshape: str, x: str, site: Site) -> str:
+    """n_i as a [1] float tensor: from x, or, in a gradient function that cannot see x, from
+    the denominator the existing `mean_grad/truediv` divides by."""
+    if not in_body(reshape):
+        return b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, F)
+    divide = reshape.rsplit("/", 1)[0] + "/truediv"
+    if divide not in graph or graph.node(divide).op not in ("RealDiv", "Div"):
+        raise PassError(f"no {divide} beside {reshape}: cannot tell the local count inside a gradient function")
+    denominator = graph.node(divide).input[1]
+    return b.reshape("count", b.cast("count_float", denominator, site.dtype, F), b.const("count_shape", [1]), F)
