@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
-from bnrewrite.errors import AlreadyRewrittenError, BnRewriteError, InferenceOnlyError, NoBatchNormError
+from bnrewrite import functions
+from bnrewrite.errors import (
+    AlreadyRewrittenError,
+    BnRewriteError,
+    InferenceOnlyError,
+    NoBatchNormError,
+)
 from bnrewrite.graph import Graph, parse_input
-from bnrewrite.match.sites import scan
+from bnrewrite.match.sites import FUSED_GRAD, Skip, scan
 from bnrewrite.match.towers import TOWER_BY
+from bnrewrite.nodes import MARK
 from bnrewrite.passes import run_passes
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.plan import Options, Plan, make_plan
@@ -56,7 +63,14 @@ def rewrite_graph(
     graph_def, meta = _as_protos(graph)
     model = Graph.from_graph_def(graph_def)
     model.validate()  # a dangling input or a cycle in the input is the input's fault, not a pass's
-    census = scan(model)
+    combined, bodies = functions.flatten(model)
+    census = scan(combined)
+    if model.library is not None and not census.rewritten:  # marks in branch functions left unflattened
+        census.rewritten.extend(
+            f"{f.signature.name}/{n.name}" for f in model.library.function for n in f.node_def if MARK in n.attr
+        )
+    if bodies is not None:
+        _adopt_function_sites(combined, bodies, census, functions.called_functions(model))
     if census.rewritten:
         if if_rewritten == "error":
             raise AlreadyRewrittenError(
@@ -80,10 +94,20 @@ def rewrite_graph(
         backend=backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds,
         num_workers=num_workers, task_index=task_index,
     )
-    plan = make_plan(model, census, options)
-    rewritten, records = run_passes(model, plan)
+    plan = _plan_without_shared_body_updates(combined, census, options)
+    rewritten, records = run_passes(combined, plan)
+    report_note = ""
+    if bodies is not None and bodies.bodies:
+        rewritten = functions.restore(rewritten, bodies)
+        if any(functions.in_body(c) for r in records for c in r.collectives):
+            report_note = (
+                "all-reduces inside If branch functions are not chained across functions by order_collectives "
+                "(fine with the collective backend; with NCCL, towers could launch them in different orders)"
+            )
     out_def = rewritten.to_graph_def()
     report = _report(plan, records, census, len(model), len(rewritten))
+    if report_note:
+        report.notes.append(report_note)
     if num_workers > 1:
         report.notes.append(
             f"worker {task_index} of {num_workers}: every all-reduce spans all workers' towers; "
@@ -93,6 +117,66 @@ def rewrite_graph(
             report.notes.append("no collective timeout: a worker that never joins makes the others wait forever")
     removed = {r["node"] for r in report.removed}
     return RewriteResult(out_def, _rewrite_meta(meta, out_def, removed) if meta is not None else None, report)
+
+
+def _adopt_function_sites(graph: Graph, bodies: functions.Bodies, census: Any, called: set[str]) -> None:
+    """Sites in If branches leave through the If's outputs; skips name only what stays unrewritten."""
+    flattened = bodies.functions
+
+    def still_reported(skip: Skip) -> bool:
+        if not skip.node.startswith("function "):
+            return True
+        name = skip.node[len("function "):]
+        return name not in flattened and name in called  # uncalled functions are dead code
+
+    census.skips = [s for s in census.skips if still_reported(s)]
+    for name, reason in bodies.skipped:
+        census.skips.append(Skip(name, f"batch norm in its branch functions is not rewritten: {reason}"))
+    sites = []
+    for site in census.sites:
+        if functions.in_body(site.name):
+            exits = functions.statistic_outputs(graph, bodies, site.name, site.statistics)
+            site = replace(site, exits=tuple(exits))
+            if site.kind == "fused" and not site.grads and _has_training_grad(graph, site.name):
+                census.skips.append(Skip(site.name, "its gradient function could not be paired with it"))
+                continue
+        sites.append(site)
+    census.sites = sites
+
+
+def _has_training_grad(graph: Graph, site: str) -> bool:
+    prefix = site.split(functions.BODY_MARK)[0] + functions.BODY_MARK
+    return any(
+        n.name.startswith(prefix) and n.op in FUSED_GRAD and ("is_training" not in n.attr or n.attr["is_training"].b)
+        for n in graph
+    )
+
+
+def _plan_without_shared_body_updates(graph: Graph, census: Any, options: Options) -> Plan:
+    """make_plan, after dropping layers whose moving averages are updated inside branch functions
+    on variables the towers share (that would need deduplication inside functions)."""
+    plan = make_plan(graph, census, options)
+    doomed = {}
+    for group in plan.groups:
+        writers: dict[str, set[str]] = {}
+        for site in group.sites:
+            for update in site.updates:
+                writers.setdefault(update.variable, set()).add(site.name)
+        for site in group.sites:
+            for update in site.updates:
+                if functions.in_body(update.node) and len(writers[update.variable]) > 1:
+                    doomed.update({s.name: update.variable for s in group.sites})
+    if not doomed:
+        return plan
+    census.skips.extend(
+        Skip(name, f"its moving average {variable} is shared by the towers and updated inside a branch function; "
+             "deduplicating updates inside functions is not supported, so this layer keeps per-tower statistics")
+        for name, variable in doomed.items()
+    )
+    census.sites = [s for s in census.sites if s.name not in doomed]
+    if not census.sites:
+        raise NoBatchNormError("no batch-norm layer left to synchronize: " + census.skips[-1].reason)
+    return make_plan(graph, census, options)
 
 
 def _copy(message: Any) -> Any:

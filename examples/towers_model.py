@@ -88,9 +88,9 @@ except ImportError:  # pragma: no cover - same graph, written out by hand
             delta = tf.convert_to_tensor(1.0 - decay, name="decay")
             return tf.compat.v1.assign_sub(variable, (variable - value) * delta, name=scope)
 
-LAYERS = ("legacy", "fused_op", "legacy_unfused", "legacy_cond_v1", "moments_cond_v1", "moments_cond_v2")
+LAYERS = ("legacy", "fused_op", "legacy_unfused", "legacy_cond_v1", "legacy_cond_v2", "moments_cond_v1", "moments_cond_v2")
 #: Layers fed a training placeholder (is_training, default True) through tf.cond.
-COND_LAYERS = ("legacy_cond_v1", "moments_cond_v1", "moments_cond_v2")
+COND_LAYERS = ("legacy_cond_v1", "legacy_cond_v2", "moments_cond_v1", "moments_cond_v2")
 #: Layers whose tf.cond is built with version-1 control flow (Switch/Merge).
 V1_LAYERS = ("legacy_cond_v1", "moments_cond_v1")
 IS_TRAINING_NAME = "is_training"
@@ -225,7 +225,7 @@ def _batch_norm(x, name, spec: Spec, init):
     axis = 3 if spec.data_format == "NHWC" else 1
     if spec.layer.startswith("moments_cond"):
         return _cond_batch_norm(x, name, spec, init, axis)
-    if spec.layer in ("legacy", "legacy_unfused", "legacy_cond_v1"):
+    if spec.layer in ("legacy", "legacy_unfused", "legacy_cond_v1", "legacy_cond_v2"):
         from tf_keras.src.legacy_tf_layers import normalization as legacy_norm
 
         with warnings.catch_warnings():
@@ -234,7 +234,7 @@ def _batch_norm(x, name, spec: Spec, init):
                 x, axis=axis, momentum=BN_MOMENTUM, epsilon=BN_EPSILON,
                 gamma_initializer=_const_init(init[f"{name}/gamma"]),
                 beta_initializer=_const_init(init[f"{name}/beta"]),
-                training=_is_training() if spec.layer == "legacy_cond_v1" else True,
+                training=_is_training() if spec.layer.startswith("legacy_cond") else True,
                 fused=spec.layer != "legacy_unfused", name=name)
     # fused_op
     with tf.compat.v1.variable_scope(name):

@@ -74,6 +74,10 @@ def _oracle(spec, evaluate):
         Spec(towers=4, layer="legacy_cond_v1", data_format="NCHW"),
         Spec(towers=2, layer="moments_cond_v1"),
         Spec(towers=4, layer="moments_cond_v1", data_format="NCHW"),
+        Spec(towers=2, layer="legacy_cond_v2"),
+        Spec(towers=4, layer="legacy_cond_v2", data_format="NCHW"),
+        Spec(towers=2, layer="moments_cond_v2"),
+        Spec(towers=4, layer="moments_cond_v2", data_format="NCHW"),
     ],
     ids=lambda s: f"K{s.towers}-{s.layer}-{s.data_format}",
 )
@@ -87,7 +91,9 @@ def test_unfused_and_cond_train_like_one_device(spec):
     assert all(row.collectives == 2 * spec.towers for row in result.report.layers)
     if evaluate:
         assert abs(synced_eval - expected_eval) <= TOLERANCE * max(1.0, abs(expected_eval))
-    if spec.layer == "moments_cond_v1":
+    if spec.layer.endswith("_v2"):
+        assert not result.report.skipped
+    if spec.layer.startswith("moments_cond"):
         # Each tower owns population statistics: every copy ends at the one-device value.
         for name, value in synced.variables.items():
             if "/pop_" in name:
@@ -96,10 +102,72 @@ def test_unfused_and_cond_train_like_one_device(spec):
         assert not result.report.removed  # per-tower variables: every update stays
 
 
-def test_control_flow_v2_is_reported_not_rewritten():
-    with pytest.raises(bnrewrite.NoBatchNormError, match="control flow v2") as info:
-        rewrite_graph(build_towers(Spec(towers=2, layer="moments_cond_v2")).graph)
-    assert "disable_control_flow_v2" in str(info.value)
+def _v2_graph(body):
+    """Two CPU towers, each applying `body(x, k)` to its own input under control flow v2."""
+    from tensorflow.python.ops import control_flow_util
+
+    previous = control_flow_util.ENABLE_CONTROL_FLOW_V2
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = True
+    try:
+        graph = tf.Graph()
+        with graph.as_default():
+            tf.compat.v1.placeholder_with_default(True, [], name="is_training")
+            gamma = tf.compat.v1.get_variable("gamma", initializer=np.ones(3, np.float32))
+            for k in range(2):
+                with tf.device(f"/cpu:{k}"), tf.name_scope(f"tower_{k}"):
+                    x = tf.compat.v1.placeholder(tf.float32, [4, 5, 5, 3], name="x")
+                    y = body(x * gamma, k)
+                    tf.compat.v1.gradients(tf.reduce_sum(y * y), [gamma])
+        return graph
+    finally:
+        control_flow_util.ENABLE_CONTROL_FLOW_V2 = previous
+
+
+def test_batch_norm_in_tf_function_is_reported_not_rewritten():
+    @tf.function
+    def normalize(x):
+        return tf.compat.v1.nn.fused_batch_norm(x, tf.ones([3]), tf.zeros([3]), is_training=True)[0]
+
+    with pytest.raises(bnrewrite.NoBatchNormError, match="function body") as info:
+        rewrite_graph(_v2_graph(lambda x, k: normalize(x)))
+    assert "tf.function" in str(info.value)
+
+
+def test_shared_population_variables_in_v2_branch_are_skipped_with_reason():
+    pop_mean = []
+
+    def body(x, k):
+        if not pop_mean:
+            pop_mean.append(tf.Variable(np.zeros(3, np.float32), trainable=False, name="pop_mean"))
+
+        def train():
+            mean, var = tf.nn.moments(x, [0, 1, 2])
+            with tf.control_dependencies([tf.compat.v1.assign(pop_mean[0], 0.9 * pop_mean[0] + 0.1 * mean)]):
+                return tf.nn.batch_normalization(x, mean, var, None, None, 1e-3)
+
+        return tf.compat.v1.cond(tf.compat.v1.get_default_graph().get_tensor_by_name("is_training:0"),
+                                 train, lambda: x - pop_mean[0])
+
+    with pytest.raises(bnrewrite.NoBatchNormError, match="shared by the towers and updated inside a branch function"):
+        rewrite_graph(_v2_graph(body), backend="collective")
+
+
+@pytest.mark.parametrize("layer", ["legacy_cond_v2", "moments_cond_v2"])
+def test_nccl_structure_v2(layer):
+    """All-reduces live in the branch functions (forward in the then-branch, backward in its gradient)."""
+    k = 4
+    result = rewrite_graph(build_towers(Spec(towers=k, layer=layer, device="gpu")).graph)
+    assert result.report.backend == "nccl" and not result.report.skipped
+    assert not [n for n in result.graph_def.node if n.op == "NcclAllReduce"]
+    nccl = [n for f in result.graph_def.library.function for n in f.node_def if n.op == "NcclAllReduce"]
+    assert len(nccl) == 2 * 2 * k
+    assert {n.attr["num_devices"].i for n in nccl} == {k}
+    assert len({n.attr["shared_name"].s for n in nccl}) == 4
+    assert any("order_collectives" in note for note in result.report.notes)
+    with pytest.raises(bnrewrite.AlreadyRewrittenError):
+        rewrite_graph(result.graph_def)
+    with tf.Graph().as_default():
+        tf.compat.v1.import_graph_def(result.graph_def, name="")
 
 
 @pytest.mark.parametrize("layer", ["legacy_unfused", "legacy_cond_v1", "moments_cond_v1"])
