@@ -295,6 +295,9 @@ class Editor:
         return f"{base}_{i}"
 
     def finish(self) -> Graph:
+        """The edited graph; the base graph itself when nothing was changed."""
+        if not self._copied and not self._removed:
+            return self._base
         consumers = self._base._consumers
         if consumers is not None:
             consumers = self._updated_consumers(consumers)
