@@ -6,6 +6,7 @@ that `T=DType(DT_FLOAT)` is told apart from an integer attribute.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -77,8 +78,8 @@ class Builder:
 
     def const(self, name: str, value: object, dtype: type = np.int32) -> str:
         array = np.asarray(value, dtype=dtype)
-        tensor = tensor_util.make_tensor_proto(array)
-        return self.node("Const", name, [], dtype=DType(tensor.dtype), value=_tensor_attr(tensor))
+        attr = _tensor_attr(array.dtype.str, array.shape, array.tobytes())
+        return self.node("Const", name, [], dtype=DType(attr.tensor.dtype), value=attr)
 
     def cast(self, name: str, tensor: str, src: int, dst: int) -> str:
         if src == dst:
@@ -140,7 +141,10 @@ def identity_n(name: str, inputs: list[str], types: list[int], device: str, laye
     return node
 
 
-def _tensor_attr(tensor: object) -> attr_value_pb2.AttrValue:
+@functools.lru_cache(maxsize=4096)
+def _tensor_attr(dtype: str, shape: tuple[int, ...], data: bytes) -> attr_value_pb2.AttrValue:
+    """The AttrValue of a constant, made once per value: the same axes, shapes and scalars
+    recur in every layer. Shared: `set_attr` copies it into the node."""
     attr = attr_value_pb2.AttrValue()
-    attr.tensor.CopyFrom(tensor)
+    attr.tensor.CopyFrom(tensor_util.make_tensor_proto(np.frombuffer(data, dtype).reshape(shape)))
     return attr
