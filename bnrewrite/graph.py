@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import count
 from typing import Iterable, Iterator, NamedTuple
 
 from tensorflow.core.framework import graph_pb2, node_def_pb2
@@ -103,11 +104,14 @@ class Graph:
         library: object = None,
         versions: object = None,
         consumers: dict[str, list[Edge]] | None = None,
+        change: "_Change | None" = None,
     ) -> None:
         self._nodes = nodes
         self.library = library
         self.versions = versions
         self._consumers = consumers
+        self._change = change  # how an edit made this graph, until validate() has used it
+        self._numbering: dict[str, tuple[int, ...]] | None = None  # set by validate()
 
     @classmethod
     def from_graph_def(cls, graph_def: graph_pb2.GraphDef) -> "Graph":
@@ -154,7 +158,7 @@ class Graph:
         Shared with the graphs edited from this one: never change it.
         """
         if self._consumers is None:
-            self._consumers = _consumer_index(self._nodes.values())
+            self._consumers = _consumer_index((node.name, map(parse_input, node.input)) for node in self._nodes.values())
         return self._consumers
 
     def consumers_of(self, name: str, output: int | None = None) -> list[Edge]:
@@ -223,16 +227,89 @@ class Graph:
                 for spec in node.input:
                     if parse_input(spec)[0] not in self._nodes:
                         raise GraphValidationError(f"node {node.name!r} reads {spec!r}, which does not exist")
-        self.topological_order()
+        if self._numbering is None:
+            self._numbering = self._extended_numbering()
+        if self._numbering is None:
+            self._numbering = {name: (i,) for i, name in enumerate(self._topological_order)}
+
+    def _extended_numbering(self) -> dict[str, tuple[int, ...]] | None:
+        """A topological numbering of this graph, from its validated base's, without a sort.
+
+        Numbers are tuples compared lexicographically. Untouched and changed nodes keep
+        their base number; a new node gets the greatest number among its inputs plus one more
+        component, so it sorts after them. If then every input of every touched node has a
+        smaller number than the node (edges into untouched nodes are as in the base), the
+        numbering orders every edge and there is no cycle. None when that does not hold (an
+        input added later than its reader, a loop back-edge, a cycle): a full sort decides.
+        """
+        change, self._change = self._change, None
+        if change is None or change.base._numbering is None:
+            return None
+        numbering = dict(change.base._numbering)
+        for name in change.touched - self._nodes.keys():
+            numbering.pop(name, None)
+        changed = []
+        fresh = count()
+        for name, inputs in change.inputs.items():
+            if name in change.base:
+                changed.append(name)
+                continue
+            keys = [numbering.get(src) for src, _ in inputs]
+            if None in keys:
+                return None
+            numbering[name] = max(keys, default=(-1,)) + (next(fresh),)
+        for name in changed:
+            number = numbering[name]
+            if any(numbering.get(src, number) >= number for src, _ in change.inputs[name]):
+                return None
+        return numbering
 
 
-def _consumer_index(nodes: Iterable[NodeDef]) -> dict[str, list[Edge]]:
+def _consumer_index(inputs: Iterable[tuple[str, Iterable[tuple[str, int]]]]) -> dict[str, list[Edge]]:
+    """Producer -> edges, from (consumer, its parsed inputs) pairs in graph order."""
     index: dict[str, list[Edge]] = {}
-    for node in nodes:
-        for slot, spec in enumerate(node.input):
-            src, output = parse_input(spec)
-            index.setdefault(src, []).append(Edge(node.name, -1 if output < 0 else slot, output))
+    for name, pairs in inputs:
+        for slot, (src, output) in enumerate(pairs):
+            index.setdefault(src, []).append(Edge(name, -1 if output < 0 else slot, output))
     return index
+
+
+@dataclass(frozen=True)
+class _Change:
+    """What an edit did to `base`: the names it added, replaced, changed or removed, and the
+    parsed inputs of those still in the graph, in graph order."""
+
+    base: Graph
+    touched: set[str]
+    inputs: dict[str, list[tuple[str, int]]]
+
+    def updated_consumers(self, nodes: dict[str, NodeDef]) -> dict[str, list[Edge]]:
+        """The base's consumer index with the edges of every touched node replaced.
+
+        Only the lists of producers a touched node read or reads are rebuilt, in graph order,
+        so the result equals an index built from scratch; the others are shared with the base.
+        New nodes come after every base node, so their edges go at the end of a list; a list
+        is sorted only when a node changed in place reads its producer.
+        """
+        base = self.base.consumers
+        new_edges = _consumer_index(self.inputs.items())
+        producers = set(new_edges)
+        for name in self.touched & self.base._nodes.keys():
+            producers.update(parse_input(spec)[0] for spec in self.base.node(name).input)
+        index = dict(base)
+        position: dict[str, int] = {}
+        for src in producers:
+            kept = [e for e in base.get(src, ()) if e.consumer not in self.touched]
+            fresh = new_edges.get(src, [])
+            edges = kept + fresh
+            if kept and any(e.consumer in self.base for e in fresh):
+                position = position or {name: i for i, name in enumerate(nodes)}
+                edges.sort(key=lambda e: position[e.consumer])
+            if edges:
+                index[src] = edges
+            else:
+                index.pop(src, None)
+        return index
 
 
 _device_cache: dict[str, Device] = {}
@@ -296,34 +373,12 @@ class Editor:
 
     def finish(self) -> Graph:
         """The edited graph; the base graph itself when nothing was changed."""
-        if not self._copied and not self._removed:
-            return self._base
-        consumers = self._base._consumers
-        if consumers is not None:
-            consumers = self._updated_consumers(consumers)
-        return Graph(self._nodes, self._base.library, self._base.versions, consumers)
-
-    def _updated_consumers(self, base: dict[str, list[Edge]]) -> dict[str, list[Edge]]:
-        """`base` (the base graph's index) with the edges of every touched node replaced.
-
-        Only the lists of producers a touched node read or reads are rebuilt, in graph order,
-        so the result equals an index built from scratch; the others are shared with `base`.
-        """
         touched = self._copied | self._removed
-        new_edges = _consumer_index(self._nodes[name] for name in touched if name in self._nodes)
-        producers = set(new_edges)
-        for name in touched:
-            if name in self._base:
-                producers.update(parse_input(spec)[0] for spec in self._base.node(name).input)
-        if not producers:
-            return base
-        position = {name: i for i, name in enumerate(self._nodes)}
-        index = dict(base)
-        for src in producers:
-            edges = [e for e in base.get(src, ()) if e.consumer not in touched] + new_edges.get(src, [])
-            if edges:
-                edges.sort(key=lambda e: position[e.consumer])
-                index[src] = edges
-            else:
-                index.pop(src, None)
-        return index
+        if not touched:
+            return self._base
+        inputs = {
+            name: [parse_input(spec) for spec in node.input] for name, node in self._nodes.items() if name in touched
+        }
+        change = _Change(self._base, touched, inputs)
+        consumers = None if self._base._consumers is None else change.updated_consumers(self._nodes)
+        return Graph(self._nodes, self._base.library, self._base.versions, consumers, change)
