@@ -60,6 +60,8 @@ def branch_conditions(graph: Graph, order: list[str]) -> dict[str, frozenset]:
 
     A Switch output adds its (predicate, port); a Merge keeps what all its inputs share.
     """
+    if not any(node.op in _SWITCH for node in graph):
+        return dict.fromkeys(order, _NONE)  # no v1 conditional: nothing runs under a branch
     conditions: dict[str, frozenset] = {}
     for name in order:
         node = graph.node(name)
