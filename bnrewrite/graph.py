@@ -299,12 +299,14 @@ class _Change:
         index = dict(base)
         position: dict[str, int] = {}
         for src in producers:
-            kept = [e for e in base.get(src, ()) if e.consumer not in self.touched]
-            fresh = new_edges.get(src, [])
-            edges = kept + fresh
-            if kept and any(e.consumer in self.base for e in fresh):
-                position = position or {name: i for i, name in enumerate(nodes)}
-                edges.sort(key=lambda e: position[e.consumer])
+            edges = new_edges.get(src, [])
+            if src in base:
+                kept = [e for e in base[src] if e.consumer not in self.touched]
+                if kept and any(e.consumer in self.base for e in edges):
+                    position = position or {name: i for i, name in enumerate(nodes)}
+                    edges = sorted(kept + edges, key=lambda e: position[e.consumer])
+                else:
+                    edges = kept + edges
             if edges:
                 index[src] = edges
             else:
