@@ -64,17 +64,17 @@ class Builder:
         self.scope = scope
         self.device = device
         self.layer = layer
+        self._mark = layer.encode()
 
     def node(self, op: str, name: str, inputs: Sequence[str], **attrs: object) -> str:
         """Add a node; returns its name (which is also its output-0 tensor)."""
-        node = node_def_pb2.NodeDef(op=op, name=self.editor.unique_name(f"{self.scope}/{name}"))
-        node.input.extend(inputs)
-        node.device = self.device
+        unique = self.editor.unique_name(f"{self.scope}/{name}")
+        node = node_def_pb2.NodeDef(op=op, name=unique, input=inputs, device=self.device)
         for key, value in attrs.items():
             set_attr(node, key, value)
-        set_attr(node, MARK, self.layer)
+        node.attr[MARK].s = self._mark
         self.editor.add(node)
-        return node.name
+        return unique
 
     def const(self, name: str, value: object, dtype: type = np.int32) -> str:
         array = np.asarray(value, dtype=dtype)
