@@ -69,7 +69,7 @@ class Builder:
     def node(self, op: str, name: str, inputs: Sequence[str], **attrs: object) -> str:
         """Add a node; returns its name (which is also its output-0 tensor)."""
         unique = self.editor.unique_name(f"{self.scope}/{name}")
-        node = node_def_pb2.NodeDef(op=op, name=unique, input=inputs, device=self.device)
+        node = self.editor.new_node(op=op, name=unique, input=inputs, device=self.device)
         for key, value in attrs.items():
             set_attr(node, key, value)
         node.attr[MARK].s = self._mark
