@@ -95,21 +95,25 @@ def bench_config(towers: int, layers: int, reps: int) -> dict:
 def print_speed(rows: list[dict]) -> None:
     print("\n== rewrite speed (median of repetitions; ms) ==")
     header = ("towers", "layers", "nodes", "nodes out", "rewrite", "import", "proto",
-              "rw/import", "rw/proto", "us/node rw", "us/node imp")
+              "rw/import", "rw/proto", "us/node rw", "us/out node rw", "us/node imp")
     body = []
     for r in rows:
         body.append((
             r["towers"], r["layers"], r["nodes"], r["nodes_out"],
             f"{r['rewrite'] * 1e3:.0f}", f"{r['import'] * 1e3:.0f}", f"{r['proto'] * 1e3:.0f}",
             f"{r['rewrite'] / r['import']:.2f}", f"{r['rewrite'] / r['proto']:.1f}",
-            f"{r['rewrite'] / r['nodes'] * 1e6:.1f}", f"{r['import'] / r['nodes'] * 1e6:.1f}",
+            f"{r['rewrite'] / r['nodes'] * 1e6:.1f}", f"{r['rewrite'] / r['nodes_out'] * 1e6:.1f}",
+            f"{r['import'] / r['nodes'] * 1e6:.1f}",
         ))
     _table(header, body)
     if len(rows) >= 2:
         sizes = np.log([r["nodes"] for r in rows])
         for key in ("rewrite", "import", "proto"):
             slope = np.polyfit(sizes, np.log([r[key] for r in rows]), 1)[0]
-            print(f"scaling exponent ({key} time ~ nodes^k): k = {slope:.3f}")
+            print(f"scaling exponent ({key} time ~ input nodes^k): k = {slope:.3f}")
+        slope = np.polyfit(np.log([r["nodes_out"] for r in rows]), np.log([r["rewrite"] for r in rows]), 1)[0]
+        print(f"scaling exponent (rewrite time ~ output nodes^k): k = {slope:.3f} "
+              "(more towers add more nodes per input node)")
     goal = [r for r in rows if (r["towers"], r["layers"]) == GOAL_CONFIG]
     if goal:
         r = goal[0]
@@ -127,30 +131,34 @@ def _table(header: tuple, body: list[tuple]) -> None:
 
 
 def bench_cli(towers: int, layers: int, reps: int) -> None:
+    """`python -m bnrewrite convert IN OUT` on the big .pb, and on the smallest one for the
+    fixed cost (interpreter, TensorFlow import, I/O setup) that does not grow with the graph."""
     print(f"\n== CLI end to end ({towers} towers x {layers} layers .pb) ==")
-    path = deep_net.cached_path(towers, layers)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.pb")
-        probe = subprocess.run([sys.executable, "-m", "bnrewrite", "convert", path, out],
-                               env=env, capture_output=True, text=True)
+
+        def convert(path: str) -> subprocess.CompletedProcess:
+            if os.path.exists(out):
+                os.remove(out)
+            return subprocess.run([sys.executable, "-m", "bnrewrite", "convert", path, out],
+                                  env=env, capture_output=True, text=True)
+
+        big, small = deep_net.cached_path(towers, layers), deep_net.cached_path(2, 20)
+        probe = convert(big)
         if probe.returncode != 0 or not os.path.exists(out):
             why = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
             print(f"skipped: `python -m bnrewrite convert IN OUT` did not run here (exit {probe.returncode}: {why})")
             return
-        cli, tf_import = [], []
+        times: dict[str, list[float]] = {"big": [], "small": []}
         for _ in range(reps):
-            os.remove(out)
-            start = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "bnrewrite", "convert", path, out], env=env,
-                           check=True, capture_output=True)
-            cli.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            subprocess.run([sys.executable, "-c", "import tensorflow"], env=env, check=True, capture_output=True)
-            tf_import.append(time.perf_counter() - start)
-    c, t = statistics.median(cli), statistics.median(tf_import)
-    print(f"python -m bnrewrite convert IN OUT: {c:.2f} s  (python -c 'import tensorflow' alone: {t:.2f} s; "
-          f"the rest, {c - t:.2f} s, is reading, rewriting and writing)")
+            for key, path in (("big", big), ("small", small)):
+                start = time.perf_counter()
+                convert(path)
+                times[key].append(time.perf_counter() - start)
+    b, sm = statistics.median(times["big"]), statistics.median(times["small"])
+    print(f"python -m bnrewrite convert IN OUT: {b:.2f} s (median of {reps}); on the 2 x 20 graph: {sm:.2f} s, "
+          f"so {b - sm:.2f} s of it grows with the graph (reading, checking, rewriting, writing)")
 
 
 def _rss_mib() -> float:
@@ -189,11 +197,11 @@ def _peak_rss_mib() -> float:
         return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024
 
 
-def memory_rss_child(path: str) -> None:
+def memory_rss_child(path: str, out_path: str) -> None:
     """Fresh process, no tracemalloc: the RSS peak of one rewrite over the RSS just before it.
 
     The kernel's peak (VmHWM) is reset through /proc/self/clear_refs right before the rewrite,
-    so TensorFlow's import peak does not hide it.
+    so TensorFlow's import peak does not hide it. Writes the output GraphDef to `out_path`.
     """
     from tensorflow.core.framework import graph_pb2
 
@@ -201,43 +209,60 @@ def memory_rss_child(path: str) -> None:
 
     rewrite_graph(deep_net.cached_graph_def(2, 20))
     with open(path, "rb") as f:
-        data = f.read()
-    gc.collect()
-    rss0 = _rss_mib()
-    graph_def = graph_pb2.GraphDef.FromString(data)
-    parse_rss = _rss_mib() - rss0
+        graph_def = graph_pb2.GraphDef.FromString(f.read())
     gc.collect()
     rss_before = _rss_mib()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    rewrite_graph(graph_def)
-    print(json.dumps({"parse_rss": parse_rss, "rss_peak_delta": _peak_rss_mib() - rss_before}))
+    result = rewrite_graph(graph_def)
+    peak = _peak_rss_mib() - rss_before
+    with open(out_path, "wb") as f:
+        f.write(result.graph_def.SerializeToString())
+    print(json.dumps({"rss_peak_delta": peak}))
+
+
+def memory_size_child(path: str) -> None:
+    """Fresh process: what one parsed copy of the GraphDef at `path` adds to RSS (mean of 4)."""
+    from tensorflow.core.framework import graph_pb2
+
+    with open(path, "rb") as f:
+        data = f.read()
+    graph_pb2.GraphDef.FromString(data)  # warm up the parser
+    gc.collect()
+    rss0 = _rss_mib()
+    copies = [graph_pb2.GraphDef.FromString(data) for _ in range(4)]
+    print(json.dumps({"parse_rss": (_rss_mib() - rss0) / len(copies)}))
 
 
 def bench_memory(configs: list[tuple[int, int]]) -> None:
     print("\n== peak memory of one rewrite (fresh subprocess each; MiB) ==")
-    header = ("towers", "layers", "ByteSize", "out ByteSize", "parse RSS", "traced peak",
-              "traced/ByteSize", "RSS peak", "RSS/ByteSize", "RSS/parse RSS")
+    header = ("towers", "layers", "ByteSize", "out ByteSize", "parse RSS", "out parse RSS", "traced peak",
+              "traced/ByteSize", "RSS peak", "RSS/ByteSize", "RSS/parse RSS", "RSS/out parse RSS")
     body = []
     for towers, layers in configs:
         path = deep_net.cached_path(towers, layers)
         traced = json.loads(_child("--memory-child", path))
-        rss = json.loads(_child("--memory-rss-child", path))
+        with tempfile.TemporaryDirectory() as tmp:
+            out_path = os.path.join(tmp, "out.pb")
+            rss = json.loads(_child("--memory-rss-child", path, out_path))
+            rss["parse_rss"] = json.loads(_child("--memory-size-child", path))["parse_rss"]
+            rss["out_parse_rss"] = json.loads(_child("--memory-size-child", out_path))["parse_rss"]
         peak = rss["rss_peak_delta"]
         body.append((
             towers, layers, f"{traced['byte_size']:.1f}", f"{traced['out_byte_size']:.1f}", f"{rss['parse_rss']:.1f}",
-            f"{traced['traced_peak']:.1f}", f"{traced['traced_peak'] / traced['byte_size']:.2f}",
-            f"{peak:.1f}", f"{peak / traced['byte_size']:.2f}", f"{peak / rss['parse_rss']:.2f}",
+            f"{rss['out_parse_rss']:.1f}", f"{traced['traced_peak']:.1f}", f"{traced['traced_peak'] / traced['byte_size']:.1f}",
+            f"{peak:.1f}", f"{peak / traced['byte_size']:.1f}", f"{peak / rss['parse_rss']:.1f}",
+            f"{peak / rss['out_parse_rss']:.1f}",
         ))
     _table(header, body)
     print("traced peak: tracemalloc (Python objects; protobuf's upb arenas are not traced, parsing traces ~0 MiB).")
     print("RSS peak: the process's peak RSS during the rewrite (VmHWM, reset just before) minus its RSS before; "
-          "includes the output GraphDef; parse RSS: what parsing the GraphDef added to RSS.")
-    print("goal: peak <= 3 x the GraphDef in memory")
+          "includes the output GraphDef. parse RSS: what parsing the GraphDef adds to RSS (mean of 4 parses in a fresh process).")
+    print("goal: peak <= 3 x the GraphDef in memory (the output alone is out parse RSS)")
 
 
-def _child(flag: str, path: str) -> str:
-    proc = subprocess.run([sys.executable, __file__, flag, path], capture_output=True, text=True, check=True)
+def _child(flag: str, *paths: str) -> str:
+    proc = subprocess.run([sys.executable, __file__, flag, *paths], capture_output=True, text=True, check=True)
     return proc.stdout.strip().splitlines()[-1]
 
 
@@ -249,12 +274,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-cli", action="store_true")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
-    parser.add_argument("--memory-rss-child", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-rss-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-size-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_child:
         return memory_child(args.memory_child)
     if args.memory_rss_child:
-        return memory_rss_child(args.memory_rss_child)
+        return memory_rss_child(*args.memory_rss_child)
+    if args.memory_size_child:
+        return memory_size_child(args.memory_size_child)
 
     configs = [(t, n) for t in args.towers for n in args.layers]
     for t, n in configs:
