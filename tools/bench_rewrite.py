@@ -46,11 +46,12 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",")]
 
 
-def _timed(fn) -> float:
+def _timed(fn) -> tuple[float, float]:
+    """(wall, CPU) seconds of one call."""
     gc.collect()
-    start = time.perf_counter()
+    cpu, start = time.process_time(), time.perf_counter()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def bench_config(towers: int, layers: int, reps: int) -> dict:
@@ -71,23 +72,27 @@ def bench_config(towers: int, layers: int, reps: int) -> dict:
         graph_pb2.GraphDef.FromString(data).SerializeToString()
 
     result = rewrite_graph(graph_def)  # warm-up, and the output size
-    times: dict[str, list[float]] = {"rewrite": [], "import": [], "proto": []}
+    times: dict[str, list[float]] = {k: [] for k in ("rewrite", "import", "proto")}
+    cpu: dict[str, list[float]] = {k: [] for k in times}
     passes: dict[str, list[float]] = {}
+    records = []
+
+    def do_rewrite() -> None:
+        records.append(rewrite_graph(graph_def).report.passes)
+
     for _ in range(reps):
-        gc.collect()
-        start = time.perf_counter()
-        out = rewrite_graph(graph_def)
-        times["rewrite"].append(time.perf_counter() - start)
-        for p in out.report.passes:
+        for key, fn in (("rewrite", do_rewrite), ("import", do_import), ("proto", do_proto)):
+            wall, used = _timed(fn)
+            times[key].append(wall)
+            cpu[key].append(used)
+    for record in records:
+        for p in record:
             passes.setdefault(str(p["name"]), []).append(float(p["seconds"]))
-        del out
-        times["import"].append(_timed(do_import))
-        times["proto"].append(_timed(do_proto))
     return {
         "towers": towers, "layers": layers, "nodes": len(graph_def.node),
         "nodes_out": len(result.graph_def.node), "bytes": len(data),
         **{k: statistics.median(v) for k, v in times.items()},
-        "spread": {k: (min(v), max(v)) for k, v in times.items()},
+        "cpu": {k: statistics.median(v) for k, v in cpu.items()},
         "passes": {k: statistics.median(v) for k, v in passes.items()},
     }
 
@@ -106,6 +111,13 @@ def print_speed(rows: list[dict]) -> None:
             f"{r['import'] / r['nodes'] * 1e6:.1f}",
         ))
     _table(header, body)
+    print("\nthe same in CPU time of this process (time.process_time; less sensitive to other load):")
+    header = ("towers", "layers", "rewrite cpu", "import cpu", "rw/import cpu", "us/node rw cpu", "us/node imp cpu")
+    _table(header, [(
+        r["towers"], r["layers"], f"{r['cpu']['rewrite'] * 1e3:.0f}", f"{r['cpu']['import'] * 1e3:.0f}",
+        f"{r['cpu']['rewrite'] / r['cpu']['import']:.2f}", f"{r['cpu']['rewrite'] / r['nodes'] * 1e6:.1f}",
+        f"{r['cpu']['import'] / r['nodes'] * 1e6:.1f}",
+    ) for r in rows])
     if len(rows) >= 2:
         sizes = np.log([r["nodes"] for r in rows])
         for key in ("rewrite", "import", "proto"):
@@ -114,12 +126,16 @@ def print_speed(rows: list[dict]) -> None:
         slope = np.polyfit(np.log([r["nodes_out"] for r in rows]), np.log([r["rewrite"] for r in rows]), 1)[0]
         print(f"scaling exponent (rewrite time ~ output nodes^k): k = {slope:.3f} "
               "(more towers add more nodes per input node)")
+        for key in ("rewrite", "import"):
+            slope = np.polyfit(sizes, np.log([r["cpu"][key] for r in rows]), 1)[0]
+            print(f"scaling exponent ({key} CPU time ~ input nodes^k): k = {slope:.3f}")
     goal = [r for r in rows if (r["towers"], r["layers"]) == GOAL_CONFIG]
     if goal:
         r = goal[0]
         ratio = r["rewrite"] / r["import"]
         print(f"goal {GOAL_CONFIG[0]}x{GOAL_CONFIG[1]}: rewrite / import_graph_def = {ratio:.2f} "
-              f"({'met' if ratio <= 1.0 else 'NOT met'}; goal <= 1.0)")
+              f"({'met' if ratio <= 1.0 else 'NOT met'}; goal <= 1.0); in CPU time "
+              f"{r['cpu']['rewrite'] / r['cpu']['import']:.2f}")
         print("  passes (median s, validation included): "
               + ", ".join(f"{k} {v:.3f}" for k, v in r["passes"].items()))
 
