@@ -22,11 +22,10 @@ from tensorflow.python.framework import op_def_registry
 
 from bnrewrite.errors import PassError
 from bnrewrite.graph import Graph, parse_input, tensor_name
-from bnrewrite.nodes import MARK
+from bnrewrite.nodes import BODY_MARK, MARK
 
 IF_OPS = frozenset({"If", "StatelessIf"})
 _FORWARD_OPS = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "Mean"})
-BODY_MARK = "/_fn_"
 
 
 def in_body(name: str) -> bool:

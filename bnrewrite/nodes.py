@@ -25,6 +25,8 @@ DT_INT64 = types_pb2.DT_INT64
 
 #: Marks every node bnrewrite creates or replaces; its value names the layer.
 MARK = "_bnrewrite"
+#: In a flattened function body's node names: `<If>/_fn_then/...` (see bnrewrite.functions).
+BODY_MARK = "/_fn_"
 
 
 @dataclass(frozen=True)
@@ -56,14 +58,46 @@ def set_attr(node: node_def_pb2.NodeDef, key: str, value: object) -> None:
         raise TypeError(f"unsupported attribute value for {key}: {value!r}")
 
 
-class Builder:
-    """Adds nodes named `<scope>/<name>` on `device` to an Editor, each carrying MARK."""
+class ConstPool:
+    """The constants one pass has made, by where they live and what they hold.
 
-    def __init__(self, editor: Editor, scope: str, device: str, layer: str) -> None:
+    Every synced layer needs the same few axes, shapes and scalars; one Const per value,
+    device and function body serves every layer there (it is named in the first layer that
+    asked for it), which keeps the rewritten graph, and the time to build and import it, small.
+    """
+
+    def __init__(self) -> None:
+        self._names: dict[tuple[str, str, tuple[str, tuple[int, ...], bytes]], str] = {}
+
+    def get(self, device: str, scope: str, value: tuple[str, tuple[int, ...], bytes]) -> str | None:
+        return self._names.get((device, _body_of(scope), value))
+
+    def put(self, device: str, scope: str, value: tuple[str, tuple[int, ...], bytes], name: str) -> None:
+        self._names[(device, _body_of(scope), value)] = name
+
+
+def _body_of(scope: str) -> str:
+    """The flattened function body a scope lies in ('' for the graph itself): constants are
+    shared only within one, since each body is written back to a FunctionDef of its own."""
+    mark = scope.rfind(BODY_MARK)
+    if mark < 0:
+        return ""
+    end = scope.find("/", mark + len(BODY_MARK))
+    return scope if end < 0 else scope[:end]
+
+
+class Builder:
+    """Adds nodes named `<scope>/<name>` on `device` to an Editor, each carrying MARK.
+
+    Constants come from `consts`, shared with the other builders of the same pass.
+    """
+
+    def __init__(self, editor: Editor, scope: str, device: str, layer: str, consts: ConstPool) -> None:
         self.editor = editor
         self.scope = scope
         self.device = device
         self.layer = layer
+        self.consts = consts
         self._mark = layer.encode()
 
     def node(self, op: str, name: str, inputs: Sequence[str], **attrs: object) -> str:
@@ -78,8 +112,13 @@ class Builder:
 
     def const(self, name: str, value: object, dtype: type = np.int32) -> str:
         array = np.asarray(value, dtype=dtype)
-        attr = _tensor_attr(array.dtype.str, array.shape, array.tobytes())
-        return self.node("Const", name, [], dtype=DType(attr.tensor.dtype), value=attr)
+        key = (array.dtype.str, array.shape, array.tobytes())
+        shared = self.consts.get(self.device, self.scope, key)
+        if shared is None:
+            attr = _tensor_attr(*key)
+            shared = self.node("Const", name, [], dtype=DType(attr.tensor.dtype), value=attr)
+            self.consts.put(self.device, self.scope, key, shared)
+        return shared
 
     def cast(self, name: str, tensor: str, src: int, dst: int) -> str:
         if src == dst:
@@ -111,21 +150,17 @@ class Builder:
         return self.cast(name, total, DT_INT32, dtype)
 
     def split_count(self, name: str, packed: str, dtype: int) -> tuple[str, list[str]]:
-        """[n, a_1..a_C, b_1..b_C] -> (n as a scalar, [a, b]) after an all-reduce."""
-        begin0, end1, stride = self.const(f"{name}/begin", [0]), self.const(f"{name}/end", [1]), self.const(f"{name}/stride", [1])
-        n = self.node(
-            "StridedSlice", f"{name}/count", [packed, begin0, end1, stride],
-            T=DType(dtype), Index=DType(DT_INT32), shrink_axis_mask=1,
-            begin_mask=0, end_mask=0, ellipsis_mask=0, new_axis_mask=0,
-        )
-        rest = self.node(
-            "StridedSlice", f"{name}/rest", [packed, end1, end1, stride],
-            T=DType(dtype), Index=DType(DT_INT32), end_mask=1,
-            begin_mask=0, shrink_axis_mask=0, ellipsis_mask=0, new_axis_mask=0,
-        )
-        matrix = self.reshape(f"{name}/pairs", rest, self.const(f"{name}/pairs_shape", [2, -1]), dtype)
+        """[n, a_1..a_C, b_1..b_C] -> (n as a [1] tensor, [a, b]) after an all-reduce."""
+        sizes = self.const(f"{name}/sizes", [1, -1])
+        parts = self.node("SplitV", name, [packed, sizes, self.const(f"{name}/axis", 0)], T=DType(dtype), Tlen=DType(DT_INT32), num_split=2)
+        matrix = self.reshape(f"{name}/pairs", f"{parts}:1", self.const(f"{name}/pairs_shape", [2, -1]), dtype)
         unpack = self.node("Unpack", f"{name}/unpack", [matrix], T=DType(dtype), num=2, axis=0)
-        return n, [unpack, f"{unpack}:1"]
+        return parts, [unpack, f"{unpack}:1"]
+
+    def per_channel(self, name: str, vector: str, shape: Sequence[int], dtype: int) -> str:
+        """A [C] vector reshaped to `shape` to line up with the data; as it is when `shape` is
+        empty (channels last: it broadcasts already)."""
+        return self.reshape(name, vector, self.const(f"{name}/shape", list(shape)), dtype) if shape else vector
 
     def concat(self, name: str, tensors: Sequence[str], dtype: int) -> str:
         axis = self.const(f"{name}/axis", 0)

@@ -25,43 +25,46 @@ class Moments:
     """Tensors (float32 unless noted) of the global moments, flattened per channel."""
 
     collective: str
-    count: str  # float64 scalar N
+    count: str  # float64 [1]: N
     mean: str
     variance: str  # biased: M2 / N
     variance_unbiased: str  # M2 / (N - 1)
-    local_sum: str  # this tower's keep_dims sum of x: its shape is the shape of a keep_dims moment
+    local_sum: str  # this tower's sum of x; with keep_dims, its shape is that of a keep_dims moment
 
 
-def global_moments(b: Builder, x: str, dtype: int, axes: list[int], key: Collective) -> Moments:
+def global_moments(b: Builder, x: str, dtype: int, axes: list[int], key: Collective, broadcast: list[int] | None) -> Moments:
+    """The global moments of x over `axes`.
+
+    `broadcast` is, for a per-channel reduction (fused sites), the shape that lines a [C]
+    vector up with x, empty when it lines up as it is (channels last): sums then come out
+    flat. None keeps the reduced dimensions (moments sites) and flattens afterwards.
+    """
     axes_const = b.const("axes", axes)
     xf = b.cast("x_float", x, dtype, F)
     n = b.count("count", x, axes_const, dtype, D)
-    one = b.const("one", 1.0, np.float32)
-    n_safe = b.binary("Maximum", "count_safe", b.cast("count_float", n, D, F), one, F)
-    local_sum = b.reduce_sum("local_sum", xf, axes_const, F, True)
-    local_mean = b.binary("RealDiv", "local_mean", local_sum, n_safe, F)
-    centred = b.binary("Sub", "centred", xf, local_mean, F)
-    m2 = b.reduce_sum("local_m2", b.unary("Square", "squared", centred, F), axes_const, F, True)
-    flat = b.const("flat", [-1])
-    m64 = b.cast("local_mean64", b.reshape("local_mean_flat", local_mean, flat, F), F, D)
-    m2_64 = b.cast("local_m2_64", b.reshape("local_m2_flat", m2, flat, F), F, D)
+    keep_dims = broadcast is None
+    local_sum = b.reduce_sum("local_sum", xf, axes_const, F, keep_dims)
+    local_mean = b.binary("DivNoNan", "local_mean", local_sum, b.cast("count_float", n, D, F), F)
+    centre = local_mean if keep_dims else b.per_channel("local_mean_b", local_mean, broadcast, F)
+    m2 = b.reduce_sum("local_m2", b.binary("SquaredDifference", "squared", xf, centre, F), axes_const, F, keep_dims)
+    if keep_dims:
+        flat = b.const("flat", [-1])
+        local_mean, m2 = b.reshape("local_mean_flat", local_mean, flat, F), b.reshape("local_m2_flat", m2, flat, F)
+    m64 = b.cast("local_mean64", local_mean, F, D)
     s = b.binary("Mul", "sum64", n, m64, D)
-    ss = b.binary("AddV2", "sumsq64", m2_64, b.binary("Mul", "mean_sq64", s, m64, D), D)
+    ss = b.binary("AddV2", "sumsq64", b.cast("local_m2_64", m2, F, D), b.binary("Mul", "mean_sq64", s, m64, D), D)
     reduced = all_reduce(b, "all_reduce", b.concat("moments", [n, s, ss], D), D, key)
 
     total, (gsum, gsumsq) = b.split_count("global", reduced, D)
-    one64 = b.const("one64", 1.0, np.float64)
-    total_safe = b.binary("Maximum", "global_count_safe", total, one64, D)
-    mean64 = b.binary("RealDiv", "mean64", gsum, total_safe, D)
-    zero64 = b.const("zero64", 0.0, np.float64)
-    m2g = b.binary("Maximum", "m2", b.binary("Sub", "m2_raw", gsumsq, b.binary("Mul", "sum_mean", gsum, mean64, D), D), zero64, D)
-    bessel = b.binary("Maximum", "bessel_count", b.binary("Sub", "count_minus_one", total, one64, D), one64, D)
+    mean64 = b.binary("DivNoNan", "mean64", gsum, total, D)
+    m2_raw = b.binary("Sub", "m2_raw", gsumsq, b.binary("Mul", "sum_mean", gsum, mean64, D), D)
+    m2g = b.binary("Maximum", "m2", m2_raw, b.const("zero64", 0.0, np.float64), D)  # rounding can leave -1e-16
+    bessel = b.binary("Sub", "count_minus_one", total, b.const("one64", 1.0, np.float64), D)
     return Moments(
         collective=reduced,
         count=total,
         mean=b.cast("mean", mean64, D, F),
-        variance=b.cast("variance", b.binary("RealDiv", "variance64", m2g, total_safe, D), D, F),
-        variance_unbiased=b.cast("variance_unbiased", b.binary("RealDiv", "variance_unbiased64", m2g, bessel, D), D, F),
+        variance=b.cast("variance", b.binary("DivNoNan", "variance64", m2g, total, D), D, F),
+        variance_unbiased=b.cast("variance_unbiased", b.binary("DivNoNan", "variance_unbiased64", m2g, bessel, D), D, F),
         local_sum=local_sum,
     )
-

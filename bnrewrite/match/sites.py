@@ -65,6 +65,16 @@ class Site:
         return 1 if self.data_format.startswith("NC") else len(self.data_format) - 1
 
     @property
+    def channel_shape(self) -> list[int]:
+        """Shape that lines a per-channel [C] vector up with the data; [] when it lines up as it
+        is (channels last)."""
+        if self.channel_axis == len(self.data_format) - 1:
+            return []
+        shape = [1] * len(self.data_format)
+        shape[self.channel_axis] = -1
+        return shape
+
+    @property
     def reduce_axes(self) -> list[int]:
         if self.kind == "moments":
             return list(self.axes)

@@ -17,9 +17,9 @@ import numpy as np
 from bnrewrite.collectives import all_reduce
 from bnrewrite.graph import Graph
 from bnrewrite.match.sites import Site
-from bnrewrite.nodes import DT_FLOAT, Builder, identity_n
+from bnrewrite.nodes import DT_FLOAT, identity_n
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sites import SiteContext, each_site, layer_scope
+from bnrewrite.passes.sites import SiteContext, each_site
 from bnrewrite.plan import Plan
 
 F = DT_FLOAT
@@ -27,13 +27,6 @@ F = DT_FLOAT
 
 def sync_backward(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
     return each_site(graph, plan, "sync_backward", "fused", _rewrite_grads)
-
-
-def broadcast_shape(site: Site) -> list[int]:
-    """Shape that lines a per-channel [C] vector up with the data."""
-    shape = [1] * len(site.data_format)
-    shape[site.channel_axis] = -1
-    return shape
 
 
 def _rewrite_grads(site: Site, ctx: SiteContext) -> None:
@@ -50,16 +43,16 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     # On the tower's device, wherever tf.gradients put the gradient: an all-reduce needs
     # one member per tower device.
     device = ctx.graph.node(site.name).device
-    b = Builder(editor, layer_scope(editor, grad, "sync_bn_grad"), device, key)
+    b = ctx.builder(grad, "sync_bn_grad", device)
     T, U = site.dtype, site.stat_dtype
     axes = b.const("axes", site.reduce_axes)
-    shape = b.const("channel_shape", broadcast_shape(site))
+    shape = site.channel_shape
 
     dyf = b.cast("dy_float", dy, T, F)
     xf = b.cast("x_float", x, T, F)
     mean = b.cast("mean", saved_mean, U, F)
     rstd = b.cast("rstd", saved_rstd, U, F)
-    centred = b.binary("Sub", "centred", xf, b.reshape("mean_b", mean, shape, F), F)
+    centred = b.binary("Sub", "centred", xf, b.per_channel("mean_b", mean, shape, F), F)
     sum_dy = b.reduce_sum("sum_dy", dyf, axes, F, False)
     sum_dy_xc = b.reduce_sum("sum_dy_xc", b.binary("Mul", "dy_xc", dyf, centred, F), axes, F, False)
     packed = b.concat("sums", [b.count("count", x, axes, T, F), sum_dy, sum_dy_xc], F)
@@ -67,18 +60,17 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     ctx.record.collectives.append(reduce_name)
 
     total, (gsum_dy, gsum_dy_xc) = b.split_count("global", reduce_name, F)
-    total_safe = b.binary("Maximum", "count_safe", total, b.const("one", 1.0, np.float32), F)
-    mean_dy = b.binary("RealDiv", "mean_dy", gsum_dy, total_safe, F)
+    mean_dy = b.binary("DivNoNan", "mean_dy", gsum_dy, total, F)
     rstd_sq = b.binary("Mul", "rstd_sq", rstd, rstd, F)
-    proj = b.binary("RealDiv", "projection", b.binary("Mul", "dy_xc_rstd_sq", gsum_dy_xc, rstd_sq, F), total_safe, F)
+    proj = b.binary("DivNoNan", "projection", b.binary("Mul", "dy_xc_rstd_sq", gsum_dy_xc, rstd_sq, F), total, F)
     gain = b.binary("Mul", "gain", b.cast("scale", scale, U, F), rstd, F)
     inner = b.binary(
         "Sub", "dy_minus_proj",
-        b.binary("Sub", "dy_minus_mean", dyf, b.reshape("mean_dy_b", mean_dy, shape, F), F),
-        b.binary("Mul", "xc_proj", centred, b.reshape("projection_b", proj, shape, F), F),
+        b.binary("Sub", "dy_minus_mean", dyf, b.per_channel("mean_dy_b", mean_dy, shape, F), F),
+        b.binary("Mul", "xc_proj", centred, b.per_channel("projection_b", proj, shape, F), F),
         F,
     )
-    dx = b.cast("dx", b.binary("Mul", "dx_float", inner, b.reshape("gain_b", gain, shape, F), F), F, T)
+    dx = b.cast("dx", b.binary("Mul", "dx_float", inner, b.per_channel("gain_b", gain, shape, F), F), F, T)
     dscale = b.cast("dscale", b.binary("Mul", "dscale_float", sum_dy_xc, rstd, F), F, U)
     doffset = b.cast("doffset", sum_dy, F, U)
     empty = b.cast("empty", b.const("empty_float", np.zeros([0], np.float32), np.float32), F, U)

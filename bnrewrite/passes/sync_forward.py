@@ -18,7 +18,7 @@ from bnrewrite.graph import Graph
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_FLOAT, Builder, DType, identity_n
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sites import SiteContext, each_site, layer_scope
+from bnrewrite.passes.sites import SiteContext, each_site
 from bnrewrite.plan import Plan
 from bnrewrite.statistics import global_moments
 
@@ -34,9 +34,9 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     node = ctx.graph.node(site.name)
     x, scale, offset, mean_in, var_in = node.input[:5]
     controls = [i for i in node.input if i.startswith("^")]
-    b = Builder(editor, layer_scope(editor, site.name, "sync_bn"), node.device, key)
+    b = ctx.builder(site.name, "sync_bn", node.device)
     T, U = site.dtype, site.stat_dtype
-    moments = global_moments(b, x, T, site.reduce_axes, ctx.plan.collective(ctx.layer, 0, ctx.tower))
+    moments = global_moments(b, x, T, site.reduce_axes, ctx.plan.collective(ctx.layer, 0, ctx.tower), site.channel_shape)
     mean, var = moments.mean, moments.variance
     eps = b.const("epsilon", site.epsilon, np.float32)
     rstd = b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", var, eps, F), F)

@@ -10,7 +10,6 @@ gradients are replaced by sum(g) * n_i / N, so the existing division leaves sum(
 
 from __future__ import annotations
 
-import numpy as np
 
 from bnrewrite.collectives import all_reduce
 from bnrewrite.errors import PassError
@@ -19,7 +18,7 @@ from bnrewrite.graph import Graph
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_FLOAT, DT_INT32, Builder, DType
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sites import SiteContext, each_site, layer_scope
+from bnrewrite.passes.sites import SiteContext, each_site
 from bnrewrite.plan import Plan
 
 F = DT_FLOAT
@@ -34,7 +33,7 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     x = graph.node(site.name).input[0]
     device = graph.node(site.name).device  # the tower's: one all-reduce member per tower device
     for phase, reshapes in enumerate(zip(site.grads, site.variance_grads), start=1):
-        b = Builder(editor, layer_scope(editor, reshapes[0], "sync_moments_grad"), device, ctx.key)
+        b = ctx.builder(reshapes[0], "sync_moments_grad", device)
         flat = b.const("flat", [-1])
         incoming = [graph.node(r).input[0] for r in reshapes]
         local = [b.cast(f"g{i}_float", b.reshape(f"g{i}_flat", g, flat, site.dtype), site.dtype, F) for i, g in enumerate(incoming)]
@@ -42,8 +41,7 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
         key = ctx.plan.collective(ctx.layer, phase, ctx.tower)
         reduced = all_reduce(b, "all_reduce", b.concat("sums", [count, *local], F), F, key)
         total, sums = b.split_count("global", reduced, F)
-        one = b.const("one", 1.0, np.float32)
-        share = b.binary("RealDiv", "share", count, b.binary("Maximum", "count_safe", total, one, F), F)
+        share = b.binary("DivNoNan", "share", count, total, F)
         for i, (reshape, g, summed) in enumerate(zip(reshapes, incoming, sums)):
             shape = b.node("Shape", f"g{i}_shape", [g], T=DType(site.dtype), out_type=DType(DT_INT32))
             scaled = b.cast(f"g{i}_scaled", b.binary("Mul", f"g{i}_share", summed, share, F), F, site.dtype)

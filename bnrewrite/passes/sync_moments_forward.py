@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from bnrewrite.graph import Graph
 from bnrewrite.match.sites import Site
-from bnrewrite.nodes import DT_FLOAT, DT_INT32, Builder, DType, identity_n
+from bnrewrite.nodes import DT_FLOAT, DT_INT32, DType, identity_n
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sites import SiteContext, each_site, layer_scope
+from bnrewrite.passes.sites import SiteContext, each_site
 from bnrewrite.plan import Plan
 from bnrewrite.statistics import global_moments
 
@@ -27,8 +27,8 @@ def sync_moments_forward(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
 def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     graph, editor = ctx.graph, ctx.editor
     node = graph.node(site.name)
-    b = Builder(editor, layer_scope(editor, site.name, "sync_moments"), node.device, ctx.key)
-    moments = global_moments(b, node.input[0], site.dtype, site.reduce_axes, ctx.plan.collective(ctx.layer, 0, ctx.tower))
+    b = ctx.builder(site.name, "sync_moments", node.device)
+    moments = global_moments(b, node.input[0], site.dtype, site.reduce_axes, ctx.plan.collective(ctx.layer, 0, ctx.tower), None)
     shape = b.node("Shape", "keep_dims_shape", [moments.local_sum], T=DType(F), out_type=DType(DT_INT32))
     for name, value in ((site.name, moments.mean), (site.variance, moments.variance)):
         if site.keep_dims:
