@@ -191,6 +191,13 @@ class Graph:
         """
         return list(self._topological_order)
 
+    def sorted_topologically(self, names: Iterable[str]) -> list[str]:
+        """`names` in an order that respects every edge between them: by the numbering that
+        `validate()` left, which costs no sort of the whole graph, else by a full sort."""
+        if self._numbering is None:
+            self._numbering = {name: (i,) for i, name in enumerate(self._topological_order)}
+        return sorted(names, key=self._numbering.__getitem__)
+
     @cached_property
     def _topological_order(self) -> tuple[str, ...]:
         nodes = self._nodes

@@ -23,20 +23,19 @@ from bnrewrite.plan import Plan
 def order_collectives(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
     """`plan` is unused: the order is read off the graph itself."""
     record = PassRecord("order_collectives")
-    order = graph.topological_order()
-    conditions = branch_conditions(graph, order)
+    collectives = [node.name for node in graph if node.op in COLLECTIVE_OPS and INSTANCE_ATTR in node.attr]
+    conditions = branch_conditions(graph)
     chains: dict[tuple[str, frozenset], list[str]] = defaultdict(list)
     instance: dict[str, int] = {}
     rank: dict[int, int] = {}  # instance key -> position among the first device's all-reduces
     first_device = None
-    for name in order:
+    for name in graph.sorted_topologically(collectives):
         node = graph.node(name)
-        if node.op in COLLECTIVE_OPS and INSTANCE_ATTR in node.attr:
-            chains[(node.device, conditions[name])].append(name)
-            instance[name] = node.attr[INSTANCE_ATTR].i
-            first_device = node.device if first_device is None else first_device
-            if node.device == first_device:
-                rank[instance[name]] = len(rank)
+        chains[(node.device, conditions.get(name, _NONE))].append(name)
+        instance[name] = node.attr[INSTANCE_ATTR].i
+        first_device = node.device if first_device is None else first_device
+        if node.device == first_device:
+            rank[instance[name]] = len(rank)
     if not chains:
         return graph, record
     editor = graph.edit()
@@ -55,15 +54,15 @@ _MERGE = frozenset({"Merge", "RefMerge"})
 _NONE: frozenset = frozenset()
 
 
-def branch_conditions(graph: Graph, order: list[str]) -> dict[str, frozenset]:
-    """Node -> the (predicate, branch) pairs of the v1 conditionals it runs under.
+def branch_conditions(graph: Graph) -> dict[str, frozenset]:
+    """Node -> the (predicate, branch) pairs of the v1 conditionals it runs under (absent: none).
 
     A Switch output adds its (predicate, port); a Merge keeps what all its inputs share.
     """
     if not any(node.op in _SWITCH for node in graph):
-        return dict.fromkeys(order, _NONE)  # no v1 conditional: nothing runs under a branch
+        return {}  # no v1 conditional: nothing runs under a branch
     conditions: dict[str, frozenset] = {}
-    for name in order:
+    for name in graph.topological_order():
         node = graph.node(name)
         if node.op in _MERGE:
             live = [conditions.get(parse_input(i)[0], _NONE) for i in node.input if not i.startswith("^")]
