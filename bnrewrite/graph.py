@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import count
 from typing import Iterable, Iterator, NamedTuple
 
 from tensorflow.core.framework import graph_pb2, node_def_pb2
@@ -21,6 +20,8 @@ from bnrewrite.errors import GraphValidationError
 
 NodeDef = node_def_pb2.NodeDef
 
+#: Spacing of topological numbers (see Graph._extended_numbering).
+_GAP = 1 << 20
 #: Edges out of these ops close v1 while-loops; they are not cycles.
 _LOOP_BACK_OPS = frozenset({"NextIteration", "RefNextIteration"})
 
@@ -111,7 +112,7 @@ class Graph:
         self.versions = versions
         self._consumers = consumers
         self._change = change  # how an edit made this graph, until validate() has used it
-        self._numbering: dict[str, tuple[int, ...]] | None = None  # set by validate()
+        self._numbering: dict[str, int] | None = None  # set by validate()
 
     @classmethod
     def from_graph_def(cls, graph_def: graph_pb2.GraphDef) -> "Graph":
@@ -158,7 +159,7 @@ class Graph:
         Shared with the graphs edited from this one: never change it.
         """
         if self._consumers is None:
-            self._consumers = _consumer_index((node.name, map(parse_input, node.input)) for node in self._nodes.values())
+            self._consumers = _consumer_index((name, map(parse_input, node.input)) for name, node in self._nodes.items())
         return self._consumers
 
     def consumers_of(self, name: str, output: int | None = None) -> list[Edge]:
@@ -195,8 +196,12 @@ class Graph:
         """`names` in an order that respects every edge between them: by the numbering that
         `validate()` left, which costs no sort of the whole graph, else by a full sort."""
         if self._numbering is None:
-            self._numbering = {name: (i,) for i, name in enumerate(self._topological_order)}
+            self._numbering = self._full_numbering()
         return sorted(names, key=self._numbering.__getitem__)
+
+    def _full_numbering(self) -> dict[str, int]:
+        """Topological positions, spaced _GAP apart so that nodes added later fit in between."""
+        return {name: i * _GAP for i, name in enumerate(self._topological_order)}
 
     @cached_property
     def _topological_order(self) -> tuple[str, ...]:
@@ -237,17 +242,18 @@ class Graph:
         if self._numbering is None:
             self._numbering = self._extended_numbering()
         if self._numbering is None:
-            self._numbering = {name: (i,) for i, name in enumerate(self._topological_order)}
+            self._numbering = self._full_numbering()
 
-    def _extended_numbering(self) -> dict[str, tuple[int, ...]] | None:
+    def _extended_numbering(self) -> dict[str, int] | None:
         """A topological numbering of this graph, from its validated base's, without a sort.
 
-        Numbers are tuples compared lexicographically. Untouched and changed nodes keep
-        their base number; a new node gets the greatest number among its inputs plus one more
-        component, so it sorts after them. If then every input of every touched node has a
-        smaller number than the node (edges into untouched nodes are as in the base), the
-        numbering orders every edge and there is no cycle. None when that does not hold (an
-        input added later than its reader, a loop back-edge, a cycle): a full sort decides.
+        Untouched and changed nodes keep their base number; a new node gets the greatest
+        number among its inputs plus one, so it comes after them (and, unless a chain of more
+        than _GAP new nodes grows from one node, before the next base node). If then every
+        input of every changed node has a smaller number than the node (edges into untouched
+        nodes are as in the base), the numbering orders every edge and there is no cycle.
+        None when that does not hold (an input added later than its reader, a loop
+        back-edge, a cycle): a full sort decides.
         """
         change, self._change = self._change, None
         if change is None or change.base._numbering is None:
@@ -256,15 +262,17 @@ class Graph:
         for name in change.touched - self._nodes.keys():
             numbering.pop(name, None)
         changed = []
-        fresh = count()
         for name, inputs in change.inputs.items():
             if name in change.base:
                 changed.append(name)
                 continue
-            keys = [numbering.get(src) for src, _ in inputs]
-            if None in keys:
-                return None
-            numbering[name] = max(keys, default=(-1,)) + (next(fresh),)
+            number = -1
+            for src, _ in inputs:
+                src_number = numbering.get(src)
+                if src_number is None:
+                    return None
+                number = max(number, src_number)
+            numbering[name] = number + 1
         for name in changed:
             number = numbering[name]
             if any(numbering.get(src, number) >= number for src, _ in change.inputs[name]):
