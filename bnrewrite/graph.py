@@ -113,6 +113,7 @@ class Graph:
         self._consumers = consumers
         self._change = change  # how an edit made this graph, until validate() has used it
         self._numbering: dict[str, int] | None = None  # set by validate()
+        self._valid = False
 
     @classmethod
     def from_graph_def(cls, graph_def: graph_pb2.GraphDef) -> "Graph":
@@ -232,17 +233,28 @@ class Graph:
     def validate(self) -> None:
         """Every input resolves to a node and there is no cycle.
 
-        Names are unique by construction (a dict), so that check lives in `Editor.add`.
+        Names are unique by construction (a dict), so that check lives in `Editor.add`. A graph
+        edited from a validated one is checked only where the edit touched it.
         """
-        if self.consumers.keys() - self._nodes.keys():
-            for node in self._nodes.values():  # name the first dangling input in graph order
-                for spec in node.input:
-                    if parse_input(spec)[0] not in self._nodes:
-                        raise GraphValidationError(f"node {node.name!r} reads {spec!r}, which does not exist")
+        if self._valid:
+            return
+        change = self._change
+        if change is not None and change.base._valid:
+            removed = change.touched - self._nodes.keys()
+            suspects: Iterable[str] = [
+                *change.inputs, *(edge.consumer for name in removed for edge in self.consumers.get(name, ())),
+            ]
+        else:
+            suspects = self._nodes if self.consumers.keys() - self._nodes.keys() else ()
+        for name in suspects:  # name the first dangling input
+            for spec in self._nodes[name].input:
+                if parse_input(spec)[0] not in self._nodes:
+                    raise GraphValidationError(f"node {name!r} reads {spec!r}, which does not exist")
         if self._numbering is None:
             self._numbering = self._extended_numbering()
         if self._numbering is None:
             self._numbering = self._full_numbering()
+        self._valid = True
 
     def _extended_numbering(self) -> dict[str, int] | None:
         """A topological numbering of this graph, from its validated base's, without a sort.
@@ -256,7 +268,7 @@ class Graph:
         back-edge, a cycle): a full sort decides.
         """
         change, self._change = self._change, None
-        if change is None or change.base._numbering is None:
+        if change is None or not change.base._valid:
             return None
         numbering = dict(change.base._numbering)
         for name in change.touched - self._nodes.keys():
