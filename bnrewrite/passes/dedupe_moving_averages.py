@@ -50,15 +50,20 @@ def dedupe_moving_averages(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]
 
 def _rewire_consumers(graph: Graph, editor: Editor, doomed: dict[str, str], keeper: dict[str, str]) -> None:
     """Drop control edges to doomed updates; point data edges at the kept update."""
+    dropped: dict[str, set[str]] = defaultdict(set)  # consumer -> control inputs to drop
     for name in doomed:
         for edge in graph.consumers_of(name):
             if edge.consumer in doomed:
                 continue
-            node = editor.mutable(edge.consumer)
             if edge.slot < 0:
-                node.input.remove(f"^{name}")
+                dropped[edge.consumer].add(f"^{name}")
             else:
-                node.input[edge.slot] = tensor_name(keeper[name], edge.output)
+                editor.mutable(edge.consumer).input[edge.slot] = tensor_name(keeper[name], edge.output)
+    for consumer, controls in dropped.items():  # one pass per consumer: a train_op can wait on thousands
+        node = editor.mutable(consumer)
+        kept = [spec for spec in node.input if spec not in controls]
+        del node.input[:]
+        node.input.extend(kept)
 
 
 def _removable(graph: Graph, name: str) -> bool:
