@@ -78,8 +78,12 @@ class ConstPool:
 
 def _body_of(scope: str) -> str:
     """The flattened function body a scope lies in ('' for the graph itself): constants are
-    shared only within one, since each body is written back to a FunctionDef of its own."""
-    mark = scope.rfind(BODY_MARK)
+    shared only within one, since each body is written back to a FunctionDef of its own.
+
+    Bodies are flattened under `<top-level If>/_fn_<branch>`, so the first mark ends the
+    prefix (a gradient body's names repeat the forward body's further on).
+    """
+    mark = scope.find(BODY_MARK)
     if mark < 0:
         return ""
     end = scope.find("/", mark + len(BODY_MARK))
