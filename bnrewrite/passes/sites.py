@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import posixpath
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from bnrewrite.graph import Editor, Graph
@@ -24,7 +24,7 @@ class SiteContext:
     tower: str
     key: str  # the layer's name, marked on every new node
     record: PassRecord
-    consts: ConstPool = field(default_factory=ConstPool)
+    consts: ConstPool  # shared by every site of the pass
 
     def builder(self, next_to: str, suffix: str, device: str) -> Builder:
         """A Builder for new nodes in a fresh scope beside `next_to`, on `device`."""
