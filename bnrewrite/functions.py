@@ -242,13 +242,14 @@ def statistic_outputs(graph: Graph, bodies: Bodies, site_name: str, statistics: 
     out = []
     for j, arg in enumerate(body.fn.signature.output_arg):
         src = parse_input(body.ret[arg.name])
-        src = _through_identity(graph, src)
+        src = through_identity(graph, src)
         if src in wanted:
             out.append((body.caller, j, wanted[src]))
     return out
 
 
-def _through_identity(graph: Graph, src: tuple[str, int]) -> tuple[str, int]:
+def through_identity(graph: Graph, src: tuple[str, int]) -> tuple[str, int]:
+    """The tensor behind a chain of Identity/Squeeze nodes (and a body's argument pseudo nodes)."""
     for _ in range(8):
         node = graph.node(src[0]) if src[0] in graph else None
         if node is None or node.op not in ("Identity", "Squeeze") or MARK in node.attr:

@@ -157,9 +157,13 @@ class Builder:
         """[n, a_1..a_C, b_1..b_C] -> (n as a [1] tensor, [a, b]) after an all-reduce."""
         sizes = self.const(f"{name}/sizes", [1, -1])
         parts = self.node("SplitV", name, [packed, sizes, self.const(f"{name}/axis", 0)], T=DType(dtype), Tlen=DType(DT_INT32), num_split=2)
-        matrix = self.reshape(f"{name}/pairs", f"{parts}:1", self.const(f"{name}/pairs_shape", [2, -1]), dtype)
+        return parts, self.split_pairs(name, f"{parts}:1", dtype)
+
+    def split_pairs(self, name: str, packed: str, dtype: int) -> list[str]:
+        """[a_1..a_C, b_1..b_C] -> [a, b]."""
+        matrix = self.reshape(f"{name}/pairs", packed, self.const(f"{name}/pairs_shape", [2, -1]), dtype)
         unpack = self.node("Unpack", f"{name}/unpack", [matrix], T=DType(dtype), num=2, axis=0)
-        return parts, [unpack, f"{unpack}:1"]
+        return [unpack, f"{unpack}:1"]
 
     def per_channel(self, name: str, vector: str, shape: Sequence[int], dtype: int) -> str:
         """A [C] vector reshaped to `shape` to line up with the data; as it is when `shape` is

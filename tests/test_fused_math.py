@@ -15,8 +15,22 @@ tf1 = tf.compat.v1
 C = 5
 
 
-def _towers(k: int, shape: tuple, data_format: str = "NHWC", avg_factor: float = 1.0, dtype=tf.float32):
-    """K towers: x_k -> FusedBatchNormV3 (training) -> loss_k = sum(y * r_k); dx by tf.gradients."""
+def _batch_norm(op: str, x, scale, offset, running_mean, running_var, data_format: str, avg_factor: float):
+    """(y, batch mean, batch variance) of one training-mode fused batch norm op."""
+    if op == "FusedBatchNormV3":
+        return tf1.nn.fused_batch_norm(
+            x, scale, offset, mean=running_mean, variance=running_var, is_training=True,
+            data_format=data_format, exponential_avg_factor=avg_factor, epsilon=1e-3)
+    empty = tf.constant([], tf.float32)  # the older ops take no running statistics in training
+    outputs = getattr(tf.raw_ops, op)(
+        x=x, scale=scale.read_value(), offset=offset.read_value(), mean=empty, variance=empty,
+        epsilon=1e-3, data_format=data_format, is_training=True)
+    return outputs[:3]
+
+
+def _towers(k: int, shape: tuple, data_format: str = "NHWC", avg_factor: float = 1.0, dtype=tf.float32,
+            op: str = "FusedBatchNormV3"):
+    """K towers: x_k -> a fused batch norm (training) -> loss_k = sum(y * r_k); dx by tf.gradients."""
     graph = tf.Graph()
     rng = np.random.default_rng(1)
     with graph.as_default():
@@ -29,9 +43,7 @@ def _towers(k: int, shape: tuple, data_format: str = "NHWC", avg_factor: float =
             with tf.device(f"/cpu:{i}"), tf.name_scope(f"tower_{i}"):
                 x = tf1.placeholder(dtype, shape, name="x")
                 r = tf1.placeholder(dtype, shape, name="r")
-                y, mean, var = tf1.nn.fused_batch_norm(
-                    x, scale, offset, mean=running_mean, variance=running_var, is_training=True,
-                    data_format=data_format, exponential_avg_factor=avg_factor, epsilon=1e-3)
+                y, mean, var = _batch_norm(op, x, scale, offset, running_mean, running_var, data_format, avg_factor)
                 tf.identity(mean, name="batch_mean")
                 tf.identity(var, name="batch_variance")
                 loss = tf.reduce_sum(tf.cast(y * r, tf.float32), name="loss")
@@ -172,3 +184,33 @@ def test_dx_is_stable_far_from_zero():
     print(f"dx vs float64 at |mean|/std=1000: synced {error(got):.2e}, one device {error(one_device):.2e}")
     assert error(got) < 5e-6
     assert error(got) < error(one_device)
+
+
+@pytest.mark.parametrize("op", ["FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"])
+def test_every_fused_op_version(op):
+    """FusedBatchNorm and V2 have no reserve_space_3, so their gradients' all-reduce carries the
+    counts; V3 gets N from the forward pass. dx and the batch statistics match one device."""
+    k, b = 2, 3
+    shape = (b, 4, 4, C)
+    rng = np.random.default_rng(13)
+    x = (rng.normal(size=(k * b, *shape[1:])) * 2 + np.repeat(np.arange(k), b)[:, None, None, None]).astype(np.float32)
+    r = rng.normal(size=x.shape).astype(np.float32)
+    names = ("dx", "batch_mean", "batch_variance")
+    want = _run(_towers(1, (k * b, *shape[1:]), op=op), 1, {"tower_0/x:0": x, "tower_0/r:0": r}, [f"tower_0/{n}:0" for n in names])
+    graph = _towers(k, shape, op=op)
+    assert sum(n.op == op for n in graph.as_graph_def().node) == k
+    result = rewrite_graph(graph, backend="collective")
+    fetches = [f"tower_{i}/{n}:0" for i in range(k) for n in names]
+    got = _run(result.graph_def, k, _split_feeds(k, x, r), fetches)
+    payload = {n.name: len(n.input) - 1 for n in result.graph_def.node if n.op == "ConcatV2" and n.name.endswith("sync_bn_grad/sums")}
+    assert set(payload.values()) == ({2} if op == "FusedBatchNormV3" else {3}), payload  # [n,] sum dy, sum dy*xc
+    unsynced = _run(graph, k, _split_feeds(k, x, r), fetches)
+
+    def dx_error(values: list) -> float:
+        return float(np.max(np.abs(np.concatenate(values[0::3], axis=0) - want[0])) / np.max(np.abs(want[0])))
+
+    print(f"{op}: dx error {dx_error(got):.2e} (unsynced {dx_error(unsynced):.2e})")
+    assert dx_error(got) < 1e-5 < 1e-2 < dx_error(unsynced)
+    for i in range(k):
+        np.testing.assert_allclose(got[3 * i + 1], want[1], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[3 * i + 2], want[2], rtol=1e-5, atol=1e-5)

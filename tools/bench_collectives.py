@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     print("fwd/bwd ops: all-reduces (or transfers) per tower per step; elems: their payload; "
           "bytes = elems x dtype size.")
     print("bnrewrite forward is 2C+1 float64 (count, sum, sum of squares about local means), "
-          "backward 2C+1 float32 (count, sum dy, sum dy*(x-mean)).")
+          "backward 2C float32 (sum dy, sum dy*(x-mean); N comes from the forward pass; "
+          "2C+1 with the counts for FusedBatchNorm/V2, whose gradients have no reserve_space_3).")
 
 
 if __name__ == "__main__":

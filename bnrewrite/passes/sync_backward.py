@@ -3,7 +3,8 @@
 With x_hat = (x - mean) * rstd over the global batch of N examples,
     dx = scale * rstd * (dy - sum(dy)/N - x_hat * sum(dy * x_hat)/N),
 where both sums run over every tower. Each tower sums dy and dy*(x - mean) locally, one
-all-reduce (which also carries the counts) adds them up, and the rest is elementwise.
+all-reduce adds them up, and the rest is elementwise. N comes from the forward pass through
+reserve_space_3 (FusedBatchNormV3); for the older ops the all-reduce carries the counts too.
 d(scale) and d(offset) stay tower-local: the graph already averages them across towers, and
 since every tower's dy is K times its share of the averaged loss, that average is exact.
 A FusedBatchNormGrad alone cannot do this: it treats the batch statistics as its own.
@@ -15,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from bnrewrite.collectives import all_reduce
-from bnrewrite.graph import Graph
+from bnrewrite.functions import through_identity
+from bnrewrite.graph import Graph, parse_input
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_FLOAT, identity_n
 from bnrewrite.passes.record import PassRecord
@@ -55,11 +57,17 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     centred = b.binary("Sub", "centred", xf, b.per_channel("mean_b", mean, shape, F), F)
     sum_dy = b.reduce_sum("sum_dy", dyf, axes, F, False)
     sum_dy_xc = b.reduce_sum("sum_dy_xc", b.binary("Mul", "dy_xc", dyf, centred, F), axes, F, False)
-    packed = b.concat("sums", [b.count("count", x, axes, T, F), sum_dy, sum_dy_xc], F)
-    reduce_name = all_reduce(b, "all_reduce", packed, F, ctx.plan.collective(ctx.layer, phase, ctx.tower))
+    collective = ctx.plan.collective(ctx.layer, phase, ctx.tower)
+    counted = _forward_count(ctx.graph, grad, site)
+    if counted is not None:
+        reduce_name = all_reduce(b, "all_reduce", b.concat("sums", [sum_dy, sum_dy_xc], F), F, collective)
+        total, (gsum_dy, gsum_dy_xc) = b.cast("count", counted, U, F), b.split_pairs("global", reduce_name, F)
+    else:
+        packed = b.concat("sums", [b.count("count", x, axes, T, F), sum_dy, sum_dy_xc], F)
+        reduce_name = all_reduce(b, "all_reduce", packed, F, collective)
+        total, (gsum_dy, gsum_dy_xc) = b.split_count("global", reduce_name, F)
     ctx.record.collectives.append(reduce_name)
 
-    total, (gsum_dy, gsum_dy_xc) = b.split_count("global", reduce_name, F)
     mean_dy = b.binary("DivNoNan", "mean_dy", gsum_dy, total, F)
     rstd_sq = b.binary("Mul", "rstd_sq", rstd, rstd, F)
     proj = b.binary("DivNoNan", "projection", b.binary("Mul", "dy_xc_rstd_sq", gsum_dy_xc, rstd_sq, F), total, F)
@@ -76,3 +84,13 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     empty = b.cast("empty", b.const("empty_float", np.zeros([0], np.float32), np.float32), F, U)
     outputs = [dx, dscale, doffset, empty, empty]
     editor.replace(identity_n(grad, outputs + controls, [T, U, U, U, U], device, key))
+
+
+def _forward_count(graph: Graph, grad: str, site: Site) -> str | None:
+    """The global count N that `sync_forward` left in reserve_space_3, when this gradient
+    reads it there (FusedBatchNormGradV3); None: the all-reduce carries the counts instead."""
+    node = graph.node(grad)
+    if node.op != "FusedBatchNormGradV3" or len(graph.inputs(grad)) < 6:
+        return None
+    spec = node.input[5]
+    return spec if through_identity(graph, parse_input(spec)) == (site.name, 5) else None

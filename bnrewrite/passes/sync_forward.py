@@ -6,8 +6,8 @@ Chan's combine).
 The training op is replaced by an IdentityN of the same name whose outputs are:
 y (an inference-mode fused batch norm fed the global moments), the global batch mean and
 Bessel-corrected variance (blended with the running inputs when exponential_avg_factor is
-not 1, as the op does), then reserve spaces carrying the global mean and 1/sqrt(var+eps),
-which `sync_backward` reads.
+not 1, as the op does), then reserve spaces carrying the global mean, 1/sqrt(var+eps) and
+(FusedBatchNormV3) the global count N, which `sync_backward` reads.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from bnrewrite.graph import Graph
 from bnrewrite.match.sites import Site
-from bnrewrite.nodes import DT_FLOAT, Builder, DType, identity_n
+from bnrewrite.nodes import DT_DOUBLE, DT_FLOAT, Builder, DType, identity_n
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.passes.sites import SiteContext, each_site
 from bnrewrite.plan import Plan
@@ -52,8 +52,8 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     batch_mean = _blend(b, "batch_mean", mean, mean_in, site)
     batch_var = _blend(b, "batch_variance", moments.variance_unbiased, var_in, site)
     outputs = [y, *(b.cast(f"out_{i}", t, F, U) for i, t in enumerate((batch_mean, batch_var, mean, rstd)))]
-    if site.op == "FusedBatchNormV3":
-        outputs.append(outputs[-1])
+    if site.op == "FusedBatchNormV3":  # reserve_space_3: the global count, so gradients need not count again
+        outputs.append(b.cast("count_u", b.cast("count_float", moments.count, DT_DOUBLE, F), F, U))
     replacement = identity_n(site.name, outputs + controls, [T] + [U] * (len(outputs) - 1), node.device, key)
     editor.replace(replacement)
     ctx.record.replaced.append(site.name)
