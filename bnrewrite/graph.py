@@ -112,8 +112,7 @@ class Graph:
         self.versions = versions
         self._consumers = consumers
         self._change = change  # how an edit made this graph, until validate() has used it
-        self._numbering: dict[str, int] | None = None  # set by validate()
-        self._valid = False
+        self._numbering: dict[str, int] | None = None  # set by validate(): the graph is valid
 
     @classmethod
     def from_graph_def(cls, graph_def: graph_pb2.GraphDef) -> "Graph":
@@ -195,10 +194,9 @@ class Graph:
 
     def sorted_topologically(self, names: Iterable[str]) -> list[str]:
         """`names` in an order that respects every edge between them: by the numbering that
-        `validate()` left, which costs no sort of the whole graph, else by a full sort."""
-        if self._numbering is None:
-            self._numbering = self._full_numbering()
-        return sorted(names, key=self._numbering.__getitem__)
+        `validate()` leaves, which for an edited graph costs no sort of the whole graph."""
+        self.validate()
+        return sorted(names, key=self._numbering.__getitem__)  # type: ignore[union-attr]
 
     def _full_numbering(self) -> dict[str, int]:
         """Topological positions, spaced _GAP apart so that nodes added later fit in between."""
@@ -236,13 +234,12 @@ class Graph:
         Names are unique by construction (a dict), so that check lives in `Editor.add`. A graph
         edited from a validated one is checked only where the edit touched it.
         """
-        if self._valid:
+        if self._numbering is not None:
             return
         change = self._change
-        if change is not None and change.base._valid:
-            removed = change.touched - self._nodes.keys()
+        if change is not None and change.base._numbering is not None:
             suspects: Iterable[str] = [
-                *change.inputs, *(edge.consumer for name in removed for edge in self.consumers.get(name, ())),
+                *change.inputs, *(edge.consumer for name in change.removed for edge in self.consumers.get(name, ())),
             ]
         else:
             suspects = self._nodes if self.consumers.keys() - self._nodes.keys() else ()
@@ -250,11 +247,7 @@ class Graph:
             for spec in self._nodes[name].input:
                 if parse_input(spec)[0] not in self._nodes:
                     raise GraphValidationError(f"node {name!r} reads {spec!r}, which does not exist")
-        if self._numbering is None:
-            self._numbering = self._extended_numbering()
-        if self._numbering is None:
-            self._numbering = self._full_numbering()
-        self._valid = True
+        self._numbering = self._extended_numbering() or self._full_numbering()
 
     def _extended_numbering(self) -> dict[str, int] | None:
         """A topological numbering of this graph, from its validated base's, without a sort.
@@ -268,10 +261,10 @@ class Graph:
         back-edge, a cycle): a full sort decides.
         """
         change, self._change = self._change, None
-        if change is None or not change.base._valid:
+        if change is None or change.base._numbering is None:
             return None
         numbering = dict(change.base._numbering)
-        for name in change.touched - self._nodes.keys():
+        for name in change.removed:
             numbering.pop(name, None)
         changed = []
         for name, inputs in change.inputs.items():
@@ -303,11 +296,12 @@ def _consumer_index(inputs: Iterable[tuple[str, Iterable[tuple[str, int]]]]) -> 
 
 @dataclass(frozen=True)
 class _Change:
-    """What an edit did to `base`: the names it added, replaced, changed or removed, and the
-    parsed inputs of those still in the graph, in graph order."""
+    """What an edit did to `base`: the names it added, replaced, changed or removed, those of
+    them no longer in the graph, and the parsed inputs of the others, in graph order."""
 
     base: Graph
     touched: set[str]
+    removed: set[str]
     inputs: dict[str, list[tuple[str, int]]]
 
     def updated_consumers(self, nodes: dict[str, NodeDef]) -> dict[str, list[Edge]]:
@@ -414,6 +408,6 @@ class Editor:
         inputs = {
             name: [parse_input(spec) for spec in node.input] for name, node in self._nodes.items() if name in touched
         }
-        change = _Change(self._base, touched, inputs)
+        change = _Change(self._base, touched, self._removed - self._nodes.keys(), inputs)
         consumers = None if self._base._consumers is None else change.updated_consumers(self._nodes)
         return Graph(self._nodes, self._base.library, self._base.versions, consumers, change)

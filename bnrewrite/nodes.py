@@ -58,22 +58,11 @@ def set_attr(node: node_def_pb2.NodeDef, key: str, value: object) -> None:
         raise TypeError(f"unsupported attribute value for {key}: {value!r}")
 
 
-class ConstPool:
-    """The constants one pass has made, by where they live and what they hold.
-
-    Every synced layer needs the same few axes, shapes and scalars; one Const per value,
-    device and function body serves every layer there (it is named in the first layer that
-    asked for it), which keeps the rewritten graph, and the time to build and import it, small.
-    """
-
-    def __init__(self) -> None:
-        self._names: dict[tuple[str, str, tuple[str, tuple[int, ...], bytes]], str] = {}
-
-    def get(self, device: str, scope: str, value: tuple[str, tuple[int, ...], bytes]) -> str | None:
-        return self._names.get((device, _body_of(scope), value))
-
-    def put(self, device: str, scope: str, value: tuple[str, tuple[int, ...], bytes], name: str) -> None:
-        self._names[(device, _body_of(scope), value)] = name
+#: The constants one pass has made: (device, function body, (dtype, shape, bytes)) -> node name.
+#: Every synced layer needs the same few axes, shapes and scalars; one Const per value, device
+#: and function body serves every layer there (it is named in the first layer that asked for
+#: it), which keeps the rewritten graph, and the time to build and import it, small.
+ConstPool = dict[tuple[str, str, tuple[str, tuple[int, ...], bytes]], str]
 
 
 def _body_of(scope: str) -> str:
@@ -116,13 +105,12 @@ class Builder:
 
     def const(self, name: str, value: object, dtype: type = np.int32) -> str:
         array = np.asarray(value, dtype=dtype)
-        key = (array.dtype.str, array.shape, array.tobytes())
-        shared = self.consts.get(self.device, self.scope, key)
-        if shared is None:
-            attr = _tensor_attr(*key)
-            shared = self.node("Const", name, [], dtype=DType(attr.tensor.dtype), value=attr)
-            self.consts.put(self.device, self.scope, key, shared)
-        return shared
+        value = (array.dtype.str, array.shape, array.tobytes())
+        slot = (self.device, _body_of(self.scope), value)
+        if slot not in self.consts:
+            attr = _tensor_attr(*value)
+            self.consts[slot] = self.node("Const", name, [], dtype=DType(attr.tensor.dtype), value=attr)
+        return self.consts[slot]
 
     def cast(self, name: str, tensor: str, src: int, dst: int) -> str:
         if src == dst:

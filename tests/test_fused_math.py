@@ -181,9 +181,12 @@ def test_dx_is_stable_far_from_zero():
     def error(dx: np.ndarray) -> float:
         return float(np.max(np.abs(dx - want)) / np.max(np.abs(want)))
 
-    print(f"dx vs float64 at |mean|/std=1000: synced {error(got):.2e}, one device {error(one_device):.2e}")
+    unsynced = np.concatenate(_run(graph, k, _split_feeds(k, x, r), [f"tower_{i}/dx:0" for i in range(k)]), axis=0)
+    print(f"dx vs float64 at |mean|/std=1000: synced {error(got):.2e}, one device {error(one_device):.2e}, "
+          f"unsynced {error(unsynced):.2e}")
     assert error(got) < 5e-6
     assert error(got) < error(one_device)
+    assert error(unsynced) > 1e-2
 
 
 @pytest.mark.parametrize("op", ["FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"])

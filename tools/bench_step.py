@@ -79,16 +79,22 @@ def compare(graph_def, synced_def, towers: int, steps: int, warmup: int, device_
     return {k: statistics.median(v) for k, v in times.items()} | {"steps": len(times["synced"])}
 
 
+def step_arguments(doc: str, towers: int, layers: int, channels: int, image: int, batch: int, steps: int,
+                   warmup: int, towers_help: str | None = None) -> argparse.ArgumentParser:
+    """The command line of a step-time script: the deep_net graph's sizes and how many steps."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--towers", type=int, default=towers, help=towers_help)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--channels", type=int, default=channels)
+    parser.add_argument("--image", type=int, default=image)
+    parser.add_argument("--batch", type=int, default=batch, help="examples per tower")
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--towers", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=10)
-    parser.add_argument("--channels", type=int, default=32)
-    parser.add_argument("--image", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=8, help="examples per tower")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    args = parser.parse_args(argv)
+    args = step_arguments(__doc__, towers=4, layers=10, channels=32, image=16, batch=8, steps=30, warmup=5).parse_args(argv)
 
     from bnrewrite import rewrite_graph
 

@@ -11,7 +11,6 @@ prints why it skipped and exits 0.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -23,18 +22,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # noqa: E402
 
 import deep_net  # noqa: E402
-from bench_step import compare  # noqa: E402
+from bench_step import compare, step_arguments  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--towers", type=int, default=0, help="GPUs to use (default: all)")
-    parser.add_argument("--layers", type=int, default=20)
-    parser.add_argument("--channels", type=int, default=64)
-    parser.add_argument("--image", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=32, help="images per GPU")
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--warmup", type=int, default=10)
+    parser = step_arguments(__doc__, towers=0, layers=20, channels=64, image=32, batch=32, steps=50, warmup=10,
+                            towers_help="GPUs to use (default: all)")
     args = parser.parse_args(argv)
 
     gpus = tf.config.list_physical_devices("GPU")

@@ -24,6 +24,8 @@ def order_collectives(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
     """`plan` is unused: the order is read off the graph itself."""
     record = PassRecord("order_collectives")
     collectives = [node.name for node in graph if node.op in COLLECTIVE_OPS and INSTANCE_ATTR in node.attr]
+    if not collectives:
+        return graph, record
     conditions = branch_conditions(graph)
     chains: dict[tuple[str, frozenset], list[str]] = defaultdict(list)
     instance: dict[str, int] = {}
@@ -36,8 +38,6 @@ def order_collectives(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
         first_device = node.device if first_device is None else first_device
         if node.device == first_device:
             rank[instance[name]] = len(rank)
-    if not chains:
-        return graph, record
     editor = graph.edit()
     for names in chains.values():
         names.sort(key=lambda n: rank.get(instance[n], len(rank)))

@@ -35,7 +35,7 @@ def each_site(graph: Graph, plan: Plan, name: str, kind: str, rewrite: Callable[
     """Run `rewrite` on every synced site of `kind`; returns the new graph and the record."""
     record = PassRecord(name)
     editor = graph.edit()
-    consts = ConstPool()
+    consts: ConstPool = {}
     for layer, group in enumerate(plan.groups):
         if group.sites[0].kind != kind:
             continue

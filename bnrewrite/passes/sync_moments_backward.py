@@ -10,7 +10,6 @@ gradients are replaced by sum(g) * n_i / N, so the existing division leaves sum(
 
 from __future__ import annotations
 
-
 from bnrewrite.collectives import all_reduce
 from bnrewrite.errors import PassError
 from bnrewrite.functions import in_body
