@@ -62,10 +62,11 @@ def rewrite_graph(
     num_workers: int = 1,
     task_index: int = 0,
     if_rewritten: str = "error",
+    in_place: bool = False,
 ) -> RewriteResult:
     """Synchronize batch norm across the towers of a replicated training graph.
 
-    graph: a tf.Graph, tf.compat.v1.GraphDef or MetaGraphDef; it is never modified.
+    graph: a tf.Graph, tf.compat.v1.GraphDef or MetaGraphDef; never modified unless in_place.
     backend: "auto" (NCCL when every tower is on a GPU, else collective), "nccl" or "collective".
     tower_by: "auto", "device" (one tower per device) or "scope" (one per top-level name scope).
     group_size: synchronize towers in consecutive groups of this many (default: all towers).
@@ -75,13 +76,33 @@ def rewrite_graph(
         (collective backend; keys are the same on every worker because the graphs are).
     if_rewritten: "error" raises AlreadyRewrittenError on a graph bnrewrite already rewrote;
         "keep" returns it unchanged with a report saying so.
+    in_place: rewrite the GraphDef or MetaGraphDef given and return it in the result instead
+        of a copy, which saves the memory of one copy of the graph; if the rewrite fails, it
+        is left as it was.
     """
     if tower_by not in TOWER_BY:
         raise BnRewriteError(f"unknown tower_by {tower_by!r}; choose one of {', '.join(TOWER_BY)}")
     if if_rewritten not in ("error", "keep"):
         raise BnRewriteError(f"unknown if_rewritten {if_rewritten!r}; choose error or keep")
-    graph_def, meta = _as_protos(graph)
-    model = Graph.from_graph_def(graph_def)
+    options = Options(
+        backend=backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds,
+        num_workers=num_workers, task_index=task_index,
+    )
+    graph_def, meta, owned = _as_protos(graph, in_place)
+    size = len(graph_def.node)
+    try:
+        return _rewrite(graph_def, meta, owned, options, if_rewritten)
+    except BaseException:
+        if owned:  # drop what the passes appended; the nodes before are changed only at the very end
+            del graph_def.node[size:]
+        raise
+
+
+def _rewrite(
+    graph_def: graph_pb2.GraphDef, meta: meta_graph_pb2.MetaGraphDef | None, owned: bool, options: Options,
+    if_rewritten: str,
+) -> RewriteResult:
+    model = Graph.from_graph_def(graph_def, own=owned)
     model.validate()  # a dangling input or a cycle in the input is the input's fault, not a pass's
     combined, bodies = functions.flatten(model)
     census = scan(combined)
@@ -99,7 +120,7 @@ def rewrite_graph(
             )
         report = Report(already_rewritten=True, nodes_before=len(model), nodes_after=len(model))
         report.notes.append(f"{len(census.rewritten)} nodes already carry bnrewrite's mark")
-        return RewriteResult(_copy(graph_def), _copy(meta) if meta is not None else None, report)
+        return RewriteResult(graph_def if owned else _copy(graph_def), meta, report)
     if not census.sites:
         if census.inference:
             raise InferenceOnlyError(
@@ -110,10 +131,6 @@ def rewrite_graph(
             "no batch-norm op found that bnrewrite can rewrite (FusedBatchNorm*, tf.nn.moments); nothing to synchronize"
             + (f" ({len(census.skips)} unsupported: {census.skips[0].reason})" if census.skips else "")
         )
-    options = Options(
-        backend=backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds,
-        num_workers=num_workers, task_index=task_index,
-    )
     plan = _plan_without_shared_body_updates(combined, census, options)
     rewritten, records = run_passes(combined, plan)
     report_note = ""
@@ -128,15 +145,16 @@ def rewrite_graph(
     report = _report(plan, records, census, len(model), len(rewritten))
     if report_note:
         report.notes.append(report_note)
-    if num_workers > 1:
+    if options.num_workers > 1:
         report.notes.append(
-            f"worker {task_index} of {num_workers}: every all-reduce spans all workers' towers; "
+            f"worker {options.task_index} of {options.num_workers}: every all-reduce spans all workers' towers; "
             "every worker must have the same number of towers"
         )
-        if not timeout_seconds:
+        if not options.timeout_seconds:
             report.notes.append("no collective timeout: a worker that never joins makes the others wait forever")
-    removed = {r["node"] for r in report.removed}
-    return RewriteResult(out_def, _rewrite_meta(meta, out_def, removed) if meta is not None else None, report)
+    if meta is not None:
+        _drop_from_collections(meta, {r["node"] for r in report.removed})
+    return RewriteResult(out_def, meta, report)
 
 
 def _adopt_function_sites(graph: Graph, bodies: functions.Bodies, census: Any, called: set[str]) -> None:
@@ -205,34 +223,31 @@ def _copy(message: Any) -> Any:
     return out
 
 
-def _as_protos(graph: Any) -> tuple[graph_pb2.GraphDef, meta_graph_pb2.MetaGraphDef | None]:
-    """The GraphDef to rewrite and, when the input carries one, its MetaGraphDef."""
+def _as_protos(graph: Any, in_place: bool) -> tuple[graph_pb2.GraphDef, meta_graph_pb2.MetaGraphDef | None, bool]:
+    """The GraphDef to rewrite, the MetaGraphDef it belongs to (if any), and whether the
+    rewrite owns them: may change them in place (a copy or an export of the caller's graph,
+    or the caller's own with in_place). An unowned GraphDef is copied at the first change."""
     if isinstance(graph, meta_graph_pb2.MetaGraphDef):
-        return graph.graph_def, graph
+        meta = graph if in_place else _copy(graph)
+        return meta.graph_def, meta, True
     if isinstance(graph, graph_pb2.GraphDef):
-        return graph, None
+        return graph, None, in_place
     if hasattr(graph, "as_graph_def") and hasattr(graph, "get_all_collection_keys"):
         import tensorflow as tf
 
         with graph.as_default():
             meta = tf.compat.v1.train.export_meta_graph(graph=graph, clear_devices=False)
-        return meta.graph_def, meta
+        return meta.graph_def, meta, True
     raise BnRewriteError(f"rewrite_graph takes a tf.Graph, GraphDef or MetaGraphDef, not {type(graph).__name__}")
 
 
-def _rewrite_meta(
-    meta: meta_graph_pb2.MetaGraphDef, graph_def: graph_pb2.GraphDef, removed: set[str]
-) -> meta_graph_pb2.MetaGraphDef:
-    """The MetaGraphDef with the new graph; removed ops leave every collection that listed them."""
-    out = meta_graph_pb2.MetaGraphDef()
-    out.CopyFrom(meta)
-    out.graph_def.CopyFrom(graph_def)
-    for collection in out.collection_def.values():
+def _drop_from_collections(meta: meta_graph_pb2.MetaGraphDef, removed: set[str]) -> None:
+    """Removed ops leave every collection that listed them."""
+    for collection in meta.collection_def.values():
         if collection.WhichOneof("kind") == "node_list":
             kept = [v for v in collection.node_list.value if parse_input(v)[0] not in removed]
             del collection.node_list.value[:]
             collection.node_list.value.extend(kept)
-    return out
 
 
 def _report(plan: Plan, records: list[PassRecord], census: Any, before: int, after: int) -> Report:

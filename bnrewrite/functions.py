@@ -266,37 +266,39 @@ def restore(graph: Graph, bodies: Bodies) -> Graph:
     for b in bodies.bodies:
         pseudo.update(b.pseudo)
     members: dict[str, list[node_def_pb2.NodeDef]] = {b.prefix: [] for b in bodies.bodies}
-    top: dict[str, node_def_pb2.NodeDef] = {}
+    editor = graph.edit()
+    top: list[node_def_pb2.NodeDef] = []
     for node in graph:
         if node.name in pseudo:
+            editor.remove(node.name)
             continue
         body = next((b for b in by_prefix if node.name.startswith(b.prefix + "/")), None)
         if body is None:
-            top[node.name] = node
+            top.append(node)
         else:
             owner[node.name] = body
             members[body.prefix].append(node)
-    for name, node in list(top.items()):
+            editor.remove(node.name)
+    for node in top:
         if any(parse_input(i)[0] in owner or parse_input(i)[0] in pseudo for i in node.input):
             kept = []
             for spec in node.input:
                 src, out = parse_input(spec)
                 if src in owner or src in pseudo:
                     if out >= 0:
-                        raise PassError(f"{name} reads {spec} inside a function body (a bnrewrite bug)")
+                        raise PassError(f"{node.name} reads {spec} inside a function body (a bnrewrite bug)")
                     continue
                 kept.append(spec)
-            copy = node_def_pb2.NodeDef()
-            copy.CopyFrom(node)
-            del copy.input[:]
-            copy.input.extend(kept)
-            top[name] = copy
+            inputs = editor.mutable(node.name).input
+            del inputs[:]
+            inputs.extend(kept)
     library = function_pb2.FunctionDefLibrary()
     library.CopyFrom(graph.library)  # type: ignore[arg-type]
     functions = {f.signature.name: f for f in library.function}
     for body in bodies.bodies:
         _write_body(graph, body, members[body.prefix], owner, functions[body.function])
-    return Graph(top, library, graph.versions)
+    editor.library = library
+    return editor.finish()
 
 
 def _write_body(graph: Graph, body: Body, nodes: list[node_def_pb2.NodeDef], owner: dict[str, Body],

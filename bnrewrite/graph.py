@@ -1,15 +1,23 @@
 """The graph model: a thin, read-only index over the nodes of a GraphDef.
 
-Passes never mutate a `Graph`. They call `graph.edit()`, change the `Editor`, and
-`Editor.finish()` returns a new `Graph` that shares every untouched NodeDef with the old
-one, so a pass costs what it changes plus one dict copy, not a copy of the GraphDef.
-NodeDefs held by a `Graph` are therefore treated as frozen: `Editor.mutable()` copies
-a node before it is changed.
+A `Graph` maps node names, in graph order, to positions in a GraphDef that stores the nodes
+(its storage); it holds no per-node Python objects but the names, so indexing a graph of
+tens of thousands of nodes costs little memory. Passes never mutate a `Graph`. They call
+`graph.edit()`, change the `Editor`, and `Editor.finish()` returns a new `Graph` over the same
+storage: a node an edit adds, replaces or changes is appended to the storage and the new
+graph points at that copy, so every graph made along the way stays readable and a pass
+costs what it changes plus one dict copy. `to_graph_def()` at the end puts the storage in
+graph order and drops the stale nodes: no copy of the GraphDef is made to write it out.
+
+A graph built on a GraphDef it does not own (`from_graph_def(..., own=False)`) reads it in
+place and copies it into a storage of its own at the first change, so the caller's GraphDef
+is never changed.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, Iterator, NamedTuple
@@ -93,7 +101,8 @@ class Device:
 
 
 class Graph:
-    """Nodes by name, in GraphDef order, plus lazily built indexes.
+    """Node names, in GraphDef order, each with its node's position in the storage, plus
+    lazily built indexes.
 
     A Graph never changes, so its indexes are built at most once; `Editor.finish()` hands the
     new Graph its base's consumer index updated for what the edit touched.
@@ -101,50 +110,76 @@ class Graph:
 
     def __init__(
         self,
-        nodes: dict[str, NodeDef],
+        nodes: dict[str, int],
+        storage: graph_pb2.GraphDef,
+        owned: bool,
         library: object = None,
-        versions: object = None,
-        consumers: dict[str, list[Edge]] | None = None,
+        consumers: dict[str, list[str]] | None = None,
         change: "_Change | None" = None,
     ) -> None:
         self._nodes = nodes
-        self.library = library
-        self.versions = versions
+        self._storage = storage  # the GraphDef whose node list holds every node of this graph
+        self._owned = owned  # whether edits may append to the storage and to_graph_def() reorder it
+        self._library = library  # a function library that replaces the storage's
         self._consumers = consumers
         self._change = change  # how an edit made this graph, until validate() has used it
         self._numbering: dict[str, int] | None = None  # set by validate(): the graph is valid
 
     @classmethod
-    def from_graph_def(cls, graph_def: graph_pb2.GraphDef) -> "Graph":
-        nodes: dict[str, NodeDef] = {}
-        for node in graph_def.node:
-            if node.name in nodes:
-                raise GraphValidationError(f"node name {node.name!r} appears twice")
-            nodes[node.name] = node
-        library = graph_def.library if graph_def.HasField("library") else None
-        versions = graph_def.versions if graph_def.HasField("versions") else None
-        return cls(nodes, library, versions)
+    def from_graph_def(cls, graph_def: graph_pb2.GraphDef, *, own: bool = False) -> "Graph":
+        """The graph of `graph_def`. own: edits may add nodes to `graph_def` and `to_graph_def()`
+        rewrites it in place (saves a copy); otherwise it is copied at the first edit."""
+        nodes: dict[str, int] = {}
+        for i, node in enumerate(graph_def.node):
+            name = sys.intern(node.name)  # one string per name, shared by every index
+            if name in nodes:
+                raise GraphValidationError(f"node name {name!r} appears twice")
+            nodes[name] = i
+        return cls(nodes, graph_def, own)
+
+    @property
+    def library(self) -> object:
+        """The FunctionDefLibrary, or None."""
+        if self._library is not None:
+            return self._library
+        return self._storage.library if self._storage.HasField("library") else None
 
     def to_graph_def(self) -> graph_pb2.GraphDef:
-        out = graph_pb2.GraphDef()
-        out.node.extend(self._nodes.values())
-        if self.library is not None:
-            out.library.CopyFrom(self.library)
-        if self.versions is not None:
-            out.versions.CopyFrom(self.versions)
-        return out
+        """The graph as a GraphDef: its storage, put in graph order, stale nodes dropped.
+
+        The storage is shared with every graph this one was edited from, which must not be
+        used afterwards; an unowned storage (the caller's GraphDef) is copied first.
+        """
+        storage = self._storage
+        if not self._owned:
+            storage = _copied(storage)
+        nodes = storage.node
+        live = len(self._nodes)
+        if list(self._nodes.values()) != list(range(live)):  # else the first `live` nodes are the graph
+            kept = set(self._nodes.values())
+            for i in range(len(nodes)):
+                if i not in kept:
+                    nodes[i].name = ""  # stale: a removed node, or the old version of a changed one
+            position = {name: i for i, name in enumerate(self._nodes)}
+            nodes.sort(key=lambda node: position.get(node.name, live))
+        del nodes[live:]
+        if self._library is not None:
+            storage.library.CopyFrom(self._library)
+        return storage
 
     def __contains__(self, name: object) -> bool:
         return name in self._nodes
 
     def __iter__(self) -> Iterator[NodeDef]:
-        return iter(self._nodes.values())
+        nodes = self._storage.node
+        return (nodes[i] for i in self._nodes.values())
 
     def __len__(self) -> int:
         return len(self._nodes)
 
     def node(self, name: str) -> NodeDef:
-        return self._nodes[name]
+        """The node itself, read-only: change a node through `Editor.mutable()`."""
+        return self._storage.node[self._nodes[name]]
 
     def names(self) -> Iterable[str]:
         return self._nodes.keys()
@@ -153,26 +188,32 @@ class Graph:
         return Editor(self)
 
     @property
-    def consumers(self) -> dict[str, list[Edge]]:
-        """Producer name -> the edges that read it (data and control), in graph order.
+    def consumers(self) -> dict[str, list[str]]:
+        """Producer name -> the nodes that read it (data or control), each once, in graph order.
 
-        Shared with the graphs edited from this one: never change it.
+        Names only (`consumers_of` gives the edges): an index of every edge as an object would
+        take more memory than the rest of the graph model. Shared with the graphs edited from
+        this one: never change it.
         """
         if self._consumers is None:
-            self._consumers = _consumer_index((name, map(parse_input, node.input)) for name, node in self._nodes.items())
+            nodes = self._storage.node
+            self._consumers = _consumer_index((name, map(parse_input, nodes[i].input)) for name, i in self._nodes.items())
         return self._consumers
 
     def consumers_of(self, name: str, output: int | None = None) -> list[Edge]:
         """Edges reading `name` (any output, or only `output`; -1 selects control edges)."""
-        edges = self.consumers.get(name, [])
-        if output is None:
-            return edges
-        return [e for e in edges if e.output == output]
+        edges = []
+        for consumer in self.consumers.get(name, ()):
+            for slot, spec in enumerate(self.node(consumer).input):
+                src, out = parse_input(spec)
+                if src == name and (output is None or out == output):
+                    edges.append(Edge(consumer, -1 if out < 0 else slot, out))
+        return edges
 
     def inputs(self, name: str) -> list[tuple[str, int]]:
         """Data inputs of a node as (producer, output) pairs."""
         out = []
-        for spec in self._nodes[name].input:
+        for spec in self.node(name).input:
             src, output = parse_input(spec)
             if output >= 0:
                 out.append((src, output))
@@ -180,10 +221,10 @@ class Graph:
 
     def producer(self, name: str, slot: int) -> tuple[str, int]:
         """The (producer, output) feeding data input `slot` of node `name`."""
-        return parse_input(self._nodes[name].input[slot])
+        return parse_input(self.node(name).input[slot])
 
     def device(self, name: str) -> Device:
-        return _parse_device(self._nodes[name].device)
+        return _parse_device(self.node(name).device)
 
     def topological_order(self) -> list[str]:
         """Kahn's order over data and control edges, loop back-edges ignored.
@@ -206,11 +247,11 @@ class Graph:
     def _topological_order(self) -> tuple[str, ...]:
         nodes = self._nodes
         consumers = self.consumers
-        loop_back = {name for name, node in nodes.items() if node.op in _LOOP_BACK_OPS}
+        loop_back = {node.name for node in self if node.op in _LOOP_BACK_OPS}
         indegree = dict.fromkeys(nodes, 0)
-        for src, edges in consumers.items():
+        for src, readers in consumers.items():
             if src in nodes and src not in loop_back:
-                for consumer, _, _ in edges:
+                for consumer in readers:
                     indegree[consumer] += 1
         ready = [name for name, d in indegree.items() if d == 0]
         order: list[str] = []
@@ -219,7 +260,7 @@ class Graph:
             order.append(name)
             if name in loop_back:
                 continue
-            for consumer, _, _ in consumers.get(name, ()):
+            for consumer in consumers.get(name, ()):
                 indegree[consumer] -= 1
                 if indegree[consumer] == 0:
                     ready.append(consumer)
@@ -239,12 +280,12 @@ class Graph:
         change = self._change
         if change is not None and change.base._numbering is not None:
             suspects: Iterable[str] = [
-                *change.inputs, *(edge.consumer for name in change.removed for edge in self.consumers.get(name, ())),
+                *change.inputs, *(reader for name in change.removed for reader in self.consumers.get(name, ())),
             ]
         else:
             suspects = self._nodes if self.consumers.keys() - self._nodes.keys() else ()
         for name in suspects:  # name the first dangling input
-            for spec in self._nodes[name].input:
+            for spec in self.node(name).input:
                 if parse_input(spec)[0] not in self._nodes:
                     raise GraphValidationError(f"node {name!r} reads {spec!r}, which does not exist")
         self._numbering = self._extended_numbering() or self._full_numbering()
@@ -285,12 +326,17 @@ class Graph:
         return numbering
 
 
-def _consumer_index(inputs: Iterable[tuple[str, Iterable[tuple[str, int]]]]) -> dict[str, list[Edge]]:
-    """Producer -> edges, from (consumer, its parsed inputs) pairs in graph order."""
-    index: dict[str, list[Edge]] = {}
+def _consumer_index(inputs: Iterable[tuple[str, Iterable[tuple[str, int]]]]) -> dict[str, list[str]]:
+    """Producer -> the nodes reading it, each once, from (consumer, its parsed inputs) pairs in
+    graph order."""
+    index: dict[str, list[str]] = {}
     for name, pairs in inputs:
-        for slot, (src, output) in enumerate(pairs):
-            index.setdefault(src, []).append(Edge(name, -1 if output < 0 else slot, output))
+        for src, _ in pairs:
+            readers = index.get(src)
+            if readers is None:
+                index[sys.intern(src)] = [name]
+            elif readers[-1] != name:  # a node's inputs come one after another: repeats are adjacent
+                readers.append(name)
     return index
 
 
@@ -304,7 +350,7 @@ class _Change:
     removed: set[str]
     inputs: dict[str, list[tuple[str, int]]]
 
-    def updated_consumers(self, nodes: dict[str, NodeDef]) -> dict[str, list[Edge]]:
+    def updated_consumers(self, nodes: dict[str, int]) -> dict[str, list[str]]:
         """The base's consumer index with the edges of every touched node replaced.
 
         Only the lists of producers a touched node read or reads are rebuilt, in graph order,
@@ -320,16 +366,16 @@ class _Change:
         index = dict(base)
         position: dict[str, int] = {}
         for src in producers:
-            edges = new_edges.get(src, [])
+            readers = new_edges.get(src, [])
             if src in base:
-                kept = [e for e in base[src] if e.consumer not in self.touched]
-                if kept and any(e.consumer in self.base for e in edges):
+                kept = [name for name in base[src] if name not in self.touched]
+                if kept and any(name in self.base for name in readers):
                     position = position or {name: i for i, name in enumerate(nodes)}
-                    edges = sorted(kept + edges, key=lambda e: position[e.consumer])
+                    readers = sorted(kept + readers, key=position.__getitem__)
                 else:
-                    edges = kept + edges
-            if edges:
-                index[src] = edges
+                    readers = kept + readers
+            if readers:
+                index[src] = readers
             else:
                 index.pop(src, None)
         return index
@@ -351,32 +397,46 @@ class Editor:
     def __init__(self, base: Graph) -> None:
         self._base = base
         self._nodes = dict(base._nodes)
+        self._storage = base._storage
+        self._owned = base._owned
+        self.library = base._library  # set it to give the edited graph another function library
         self._copied: set[str] = set()
         self._removed: set[str] = set()
-        self._arena = graph_pb2.GraphDef()  # holds the nodes new_node() makes: one protobuf arena
 
     def __contains__(self, name: object) -> bool:
         return name in self._nodes
 
     def node(self, name: str) -> NodeDef:
-        return self._nodes[name]
+        return self._storage.node[self._nodes[name]]
 
-    def new_node(self, **fields: object) -> NodeDef:
-        """A NodeDef with `fields` set, for `add()`; made in the edit's protobuf arena, which
-        takes about half the memory of a NodeDef of its own."""
-        return self._arena.node.add(**fields)
+    @staticmethod
+    def new_node(**fields: object) -> NodeDef:
+        """A NodeDef of its own with `fields` set, to fill in and `add()`: the storage gets a
+        copy, which takes less memory than a node filled in there (protobuf arenas never
+        free what growing maps and lists leave behind)."""
+        return NodeDef(**fields)
+
+    def _store(self, node: NodeDef) -> int:
+        """Append a copy of `node` to the storage (a copy of the base's, the first time the
+        base does not own it); its position."""
+        if not self._owned:
+            self._storage = _copied(self._storage)
+            self._owned = True
+        self._storage.node.add().CopyFrom(node)
+        return len(self._storage.node) - 1
 
     def add(self, node: NodeDef) -> None:
-        if node.name in self._nodes:
-            raise GraphValidationError(f"a node named {node.name!r} already exists")
-        self._nodes[node.name] = node
-        self._copied.add(node.name)
+        name = sys.intern(node.name)
+        if name in self._nodes:
+            raise GraphValidationError(f"a node named {name!r} already exists")
+        self._nodes[name] = self._store(node)
+        self._copied.add(name)
 
     def replace(self, node: NodeDef) -> None:
         """Put `node` where the node of the same name was (keeps its place and name)."""
         if node.name not in self._nodes:
             raise GraphValidationError(f"no node named {node.name!r} to replace")
-        self._nodes[node.name] = node
+        self._nodes[node.name] = self._store(node)
         self._copied.add(node.name)
 
     def remove(self, name: str) -> None:
@@ -386,11 +446,9 @@ class Editor:
     def mutable(self, name: str) -> NodeDef:
         """The node itself, copied first if it still belongs to the base graph."""
         if name not in self._copied:
-            copy = NodeDef()
-            copy.CopyFrom(self._nodes[name])
-            self._nodes[name] = copy
+            self._nodes[name] = self._store(self.node(name))
             self._copied.add(name)
-        return self._nodes[name]
+        return self.node(name)
 
     def unique_name(self, base: str) -> str:
         if base not in self._nodes:
@@ -403,11 +461,18 @@ class Editor:
     def finish(self) -> Graph:
         """The edited graph; the base graph itself when nothing was changed."""
         touched = self._copied | self._removed
-        if not touched:
+        if not touched and self.library is self._base._library:
             return self._base
+        nodes = self._storage.node
         inputs = {
-            name: [parse_input(spec) for spec in node.input] for name, node in self._nodes.items() if name in touched
+            name: [parse_input(spec) for spec in nodes[i].input] for name, i in self._nodes.items() if name in touched
         }
         change = _Change(self._base, touched, self._removed - self._nodes.keys(), inputs)
         consumers = None if self._base._consumers is None else change.updated_consumers(self._nodes)
-        return Graph(self._nodes, self._base.library, self._base.versions, consumers, change)
+        return Graph(self._nodes, self._storage, self._owned, self.library, consumers, change)
+
+
+def _copied(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
+    copy = graph_pb2.GraphDef()
+    copy.CopyFrom(graph_def)
+    return copy

@@ -10,7 +10,10 @@ import tensorflow as tf
 
 import bnrewrite
 from bnrewrite import rewrite_graph
+from bnrewrite.errors import PassError
 from bnrewrite.graph import Graph, parse_input
+from bnrewrite.nodes import MARK
+from bnrewrite.passes import run_passes
 from bnrewrite.plan import KEYS_PER_LAYER
 from models import Spec, build_reference, build_towers
 
@@ -217,3 +220,42 @@ def test_bad_options():
         rewrite_graph(build_towers(Spec(towers=4)).graph, group_size=3)
     with pytest.raises(bnrewrite.BnRewriteError, match="takes a tf.Graph"):
         rewrite_graph("model.pb")
+
+
+def test_in_place_gives_the_same_graph_in_the_input_order():
+    graph_def = build_towers(Spec(towers=2)).graph.as_graph_def()
+    original = [n.name for n in graph_def.node]
+    copied = rewrite_graph(graph_def).graph_def
+    result = rewrite_graph(graph_def, in_place=True)
+    assert result.graph_def is graph_def
+    assert graph_def.SerializeToString(deterministic=True) == copied.SerializeToString(deterministic=True)
+    removed = {r["node"] for r in result.report.removed}
+    kept = [name for name in original if name not in removed]
+    assert [n.name for n in graph_def.node[:len(kept)]] == kept  # replaced ops where they were
+    assert all(MARK in n.attr for n in graph_def.node[len(kept):])
+
+
+def test_in_place_meta_graph_def_and_its_collections():
+    graph = build_towers(Spec(towers=2)).graph
+    with graph.as_default():
+        meta = tf1.train.export_meta_graph(graph=graph)
+    result = rewrite_graph(meta, in_place=True)
+    assert result.meta_graph_def is meta
+    names = {n.name for n in meta.graph_def.node}
+    assert len(names) == len(result.graph_def.node) and any(MARK in n.attr for n in meta.graph_def.node)
+    update_ops = meta.collection_def["update_ops"].node_list.value
+    assert len(update_ops) == BN_LAYERS * 2 and all(parse_input(v)[0] in names for v in update_ops)
+
+
+def test_in_place_rewrite_that_fails_leaves_the_graph_as_it_was(monkeypatch):
+    graph_def = build_towers(Spec(towers=2)).graph.as_graph_def()
+    before = graph_def.SerializeToString(deterministic=True)
+
+    def passes_then_failure(graph, plan):
+        run_passes(graph, plan)  # the real passes: they append hundreds of nodes
+        raise PassError("pass injected_failure produced an invalid graph")
+
+    monkeypatch.setattr(bnrewrite.api, "run_passes", passes_then_failure)
+    with pytest.raises(PassError, match="injected_failure"):
+        rewrite_graph(graph_def, in_place=True)
+    assert graph_def.SerializeToString(deterministic=True) == before

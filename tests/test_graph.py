@@ -102,3 +102,26 @@ def test_removing_what_nothing_reads_is_valid():
 def test_an_edit_that_changes_nothing_returns_the_base():
     graph = _small_graph()
     assert _run(graph, lambda e: None) is graph
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_to_graph_def_puts_the_storage_in_graph_order(own):
+    """Changed nodes where they were, removed and stale ones gone, new ones at the end; the
+    source GraphDef is rewritten only when the graph owns it."""
+    source = _small_graph().to_graph_def()
+    before = source.SerializeToString(deterministic=True)
+    producer = source.versions.producer
+    graph = Graph.from_graph_def(source, own=own)
+
+    def edit(editor):
+        editor.add(_node(editor, "d", "Neg", ["b"]))
+        editor.replace(_node(editor, "b", "Sub", ["a", "two"]))
+        editor.remove("c")
+        editor.mutable("a").input[1] = "x"
+
+    out = _run(graph, edit).to_graph_def()
+    assert [(n.name, n.op) for n in out.node] == [("x", "Placeholder"), ("two", "Const"), ("a", "Mul"), ("b", "Sub"), ("d", "Neg")]
+    assert list(out.node[2].input) == ["x", "x"]
+    assert producer > 0 and out.versions.producer == producer
+    assert (out is source) == own
+    assert (source.SerializeToString(deterministic=True) == before) != own

@@ -14,7 +14,8 @@ Medians are printed with ratios, microseconds per input node, and the scaling ex
 each column over graph size (least-squares slope of log time on log nodes; 1.0 is linear).
 Then the CLI end to end on the 8 x 50 .pb, and the peak memory of one rewrite measured in
 fresh subprocesses (tracemalloc's peak; and the peak RSS during the rewrite over the RSS just
-before it), against the size of the GraphDef (ByteSize, and the RSS that parsing it took).
+before it, for rewrite_graph(graph_def) and rewrite_graph(graph_def, in_place=True)), against
+the size of the GraphDef (ByteSize, and the RSS that parsing it took).
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ def _peak_rss_mib() -> float:
         return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024
 
 
-def memory_rss_child(path: str, out_path: str) -> None:
+def memory_rss_child(path: str, out_path: str, in_place: str) -> None:
     """Fresh process, no tracemalloc: the RSS peak of one rewrite over the RSS just before it.
 
     The kernel's peak (VmHWM) is reset through /proc/self/clear_refs right before the rewrite,
@@ -230,7 +231,7 @@ def memory_rss_child(path: str, out_path: str) -> None:
     rss_before = _rss_mib()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    result = rewrite_graph(graph_def)
+    result = rewrite_graph(graph_def, in_place=in_place == "in_place")
     peak = _peak_rss_mib() - rss_before
     with open(out_path, "wb") as f:
         f.write(result.graph_def.SerializeToString())
@@ -253,28 +254,29 @@ def memory_size_child(path: str) -> None:
 def bench_memory(configs: list[tuple[int, int]]) -> None:
     print("\n== peak memory of one rewrite (fresh subprocess each; MiB) ==")
     header = ("towers", "layers", "ByteSize", "out ByteSize", "parse RSS", "out parse RSS", "traced peak",
-              "traced/ByteSize", "RSS peak", "RSS/ByteSize", "RSS/parse RSS", "RSS/out parse RSS")
+              "RSS peak", "/ parse RSS", "in place: RSS peak", "/ parse RSS")
     body = []
     for towers, layers in configs:
         path = deep_net.cached_path(towers, layers)
         traced = json.loads(_child("--memory-child", path))
         with tempfile.TemporaryDirectory() as tmp:
             out_path = os.path.join(tmp, "out.pb")
-            rss = json.loads(_child("--memory-rss-child", path, out_path))
-            rss["parse_rss"] = json.loads(_child("--memory-size-child", path))["parse_rss"]
-            rss["out_parse_rss"] = json.loads(_child("--memory-size-child", out_path))["parse_rss"]
-        peak = rss["rss_peak_delta"]
+            peak = {mode: json.loads(_child("--memory-rss-child", path, out_path, mode))["rss_peak_delta"]
+                    for mode in ("copy", "in_place")}
+            parse_rss = json.loads(_child("--memory-size-child", path))["parse_rss"]
+            out_parse_rss = json.loads(_child("--memory-size-child", out_path))["parse_rss"]
         body.append((
-            towers, layers, f"{traced['byte_size']:.1f}", f"{traced['out_byte_size']:.1f}", f"{rss['parse_rss']:.1f}",
-            f"{rss['out_parse_rss']:.1f}", f"{traced['traced_peak']:.1f}", f"{traced['traced_peak'] / traced['byte_size']:.1f}",
-            f"{peak:.1f}", f"{peak / traced['byte_size']:.1f}", f"{peak / rss['parse_rss']:.1f}",
-            f"{peak / rss['out_parse_rss']:.1f}",
+            towers, layers, f"{traced['byte_size']:.1f}", f"{traced['out_byte_size']:.1f}", f"{parse_rss:.1f}",
+            f"{out_parse_rss:.1f}", f"{traced['traced_peak']:.1f}", f"{peak['copy']:.1f}",
+            f"{peak['copy'] / parse_rss:.1f}", f"{peak['in_place']:.1f}", f"{peak['in_place'] / parse_rss:.1f}",
         ))
     _table(header, body)
     print("traced peak: tracemalloc (Python objects; protobuf's upb arenas are not traced, parsing traces ~0 MiB).")
-    print("RSS peak: the process's peak RSS during the rewrite (VmHWM, reset just before) minus its RSS before; "
-          "includes the output GraphDef. parse RSS: what parsing the GraphDef adds to RSS (mean of 4 parses in a fresh process).")
-    print("goal: peak <= 3 x the GraphDef in memory (the output alone is out parse RSS)")
+    print("RSS peak: the process's peak RSS during rewrite_graph(graph_def) (VmHWM, reset just before) minus its RSS "
+          "before; includes the output GraphDef, which is a copy. in place: rewrite_graph(graph_def, in_place=True), "
+          "whose output is the input GraphDef itself. parse RSS: what parsing the GraphDef adds to RSS (mean of 4 "
+          "parses in a fresh process).")
+    print("goal: peak <= 3 x the GraphDef in memory (parse RSS)")
 
 
 def _child(flag: str, *paths: str) -> str:
@@ -290,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-cli", action="store_true")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
-    parser.add_argument("--memory-rss-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-rss-child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--memory-size-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_child:

@@ -49,21 +49,23 @@ def dedupe_moving_averages(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]
 
 
 def _rewire_consumers(graph: Graph, editor: Editor, doomed: dict[str, str], keeper: dict[str, str]) -> None:
-    """Drop control edges to doomed updates; point data edges at the kept update."""
-    dropped: dict[str, set[str]] = defaultdict(set)  # consumer -> control inputs to drop
-    for name in doomed:
-        for edge in graph.consumers_of(name):
-            if edge.consumer in doomed:
-                continue
-            if edge.slot < 0:
-                dropped[edge.consumer].add(f"^{name}")
-            else:
-                editor.mutable(edge.consumer).input[edge.slot] = tensor_name(keeper[name], edge.output)
-    for consumer, controls in dropped.items():  # one pass per consumer: a train_op can wait on thousands
-        node = editor.mutable(consumer)
-        kept = [spec for spec in node.input if spec not in controls]
+    """Drop control edges to doomed updates; point data edges at the kept update.
+
+    One pass over the inputs of each node that reads a doomed update: a train_op can wait on
+    thousands of them.
+    """
+    readers = dict.fromkeys(r for name in doomed for r in graph.consumers.get(name, ()) if r not in doomed)
+    for reader in readers:
+        node = editor.mutable(reader)
+        inputs = []
+        for spec in node.input:
+            src, output = parse_input(spec)
+            if src not in doomed:
+                inputs.append(spec)
+            elif output >= 0:
+                inputs.append(tensor_name(keeper[src], output))
         del node.input[:]
-        node.input.extend(kept)
+        node.input.extend(inputs)
 
 
 def _removable(graph: Graph, name: str) -> bool:
@@ -84,10 +86,10 @@ def _with_exclusive_ancestors(graph: Graph, doomed: dict[str, str]) -> dict[str,
     """
     removed = dict(doomed)
     for name in doomed:
-        for edge in graph.consumers_of(name, -1):
-            waiting = graph.node(edge.consumer)
-            if waiting.op == "ReadVariableOp" and not graph.consumers_of(edge.consumer):
-                removed[edge.consumer] = f"read only after {name}, which was removed"
+        for reader in graph.consumers.get(name, ()):
+            waiting = graph.node(reader)
+            if waiting.op == "ReadVariableOp" and f"^{name}" in waiting.input and reader not in graph.consumers:
+                removed[reader] = f"read only after {name}, which was removed"
     stack = list(removed)
     while stack:
         name = stack.pop()
@@ -95,7 +97,7 @@ def _with_exclusive_ancestors(graph: Graph, doomed: dict[str, str]) -> dict[str,
             src, _ = parse_input(spec)
             if src in removed or src not in graph or not _removable(graph, src):
                 continue
-            if all(edge.consumer in removed for edge in graph.consumers_of(src)):
+            if all(reader in removed for reader in graph.consumers.get(src, ())):
                 removed[src] = f"only fed {name}, which was removed"
                 stack.append(src)
     return removed
