@@ -1,17 +1,15 @@
 """The graph model: a thin, read-only index over the nodes of a GraphDef.
 
-A `Graph` maps node names, in graph order, to positions in a GraphDef that stores the nodes
-(its storage); it holds no per-node Python objects but the names, so indexing a graph of
-tens of thousands of nodes costs little memory. Passes never mutate a `Graph`. They call
-`graph.edit()`, change the `Editor`, and `Editor.finish()` returns a new `Graph` over the same
-storage: a node an edit adds, replaces or changes is appended to the storage and the new
-graph points at that copy, so every graph made along the way stays readable and a pass
-costs what it changes plus one dict copy. `to_graph_def()` at the end puts the storage in
-graph order and drops the stale nodes: no copy of the GraphDef is made to write it out.
-
-A graph built on a GraphDef it does not own (`from_graph_def(..., own=False)`) reads it in
-place and copies it into a storage of its own at the first change, so the caller's GraphDef
-is never changed.
+A `Graph` maps node names, in graph order, to where their NodeDefs are: in the GraphDef it
+was read from (the source) or in the GraphDef its edits append to (the storage). It holds no
+per-node Python objects but the names, so indexing a graph of tens of thousands of nodes
+costs little memory. Passes never mutate a `Graph`. They call `graph.edit()`, change the
+`Editor`, and `Editor.finish()` returns a new `Graph` over the same source and storage: a
+node an edit adds, replaces or changes is appended to the storage and the new graph points
+at that copy, so every graph made along the way stays readable and a pass costs what it
+changes plus one dict copy. `to_graph_def()` at the end copies the nodes still in the source
+into the storage (none when the source is the storage: an owned GraphDef is rewritten in
+place), puts the storage in graph order and drops the stale nodes.
 """
 
 from __future__ import annotations
@@ -101,8 +99,8 @@ class Device:
 
 
 class Graph:
-    """Node names, in GraphDef order, each with its node's position in the storage, plus
-    lazily built indexes.
+    """Node names, in GraphDef order, each with where its node is stored, plus lazily built
+    indexes.
 
     A Graph never changes, so its indexes are built at most once; `Editor.finish()` hands the
     new Graph its base's consumer index updated for what the edit touched.
@@ -111,75 +109,97 @@ class Graph:
     def __init__(
         self,
         nodes: dict[str, int],
+        source: graph_pb2.GraphDef,
         storage: graph_pb2.GraphDef,
-        owned: bool,
         library: object = None,
         consumers: dict[str, list[str]] | None = None,
         change: "_Change | None" = None,
     ) -> None:
-        self._nodes = nodes
-        self._storage = storage  # the GraphDef whose node list holds every node of this graph
-        self._owned = owned  # whether edits may append to the storage and to_graph_def() reorder it
-        self._library = library  # a function library that replaces the storage's
+        self._nodes = nodes  # name -> position: p >= 0 is storage.node[p], p < 0 is source.node[~p]
+        self._source = source  # the GraphDef read; never written unless it is the storage
+        self._storage = storage  # where edits append the nodes they make
+        self._library = library  # a function library that replaces the source's
         self._consumers = consumers
         self._change = change  # how an edit made this graph, until validate() has used it
         self._numbering: dict[str, int] | None = None  # set by validate(): the graph is valid
 
     @classmethod
     def from_graph_def(cls, graph_def: graph_pb2.GraphDef, *, own: bool = False) -> "Graph":
-        """The graph of `graph_def`. own: edits may add nodes to `graph_def` and `to_graph_def()`
-        rewrites it in place (saves a copy); otherwise it is copied at the first edit."""
+        """The graph of `graph_def`. own: edits append their nodes to `graph_def`, and
+        `to_graph_def()` rewrites it in place, which saves a copy of the graph; otherwise they
+        go to a GraphDef of the graph's own, and `to_graph_def()` copies the nodes kept."""
         nodes: dict[str, int] = {}
         for i, node in enumerate(graph_def.node):
             name = sys.intern(node.name)  # one string per name, shared by every index
             if name in nodes:
                 raise GraphValidationError(f"node name {name!r} appears twice")
-            nodes[name] = i
-        return cls(nodes, graph_def, own)
+            nodes[name] = i if own else ~i
+        return cls(nodes, graph_def, graph_def if own else graph_pb2.GraphDef())
 
     @property
     def library(self) -> object:
         """The FunctionDefLibrary, or None."""
         if self._library is not None:
             return self._library
-        return self._storage.library if self._storage.HasField("library") else None
+        return self._source.library if self._source.HasField("library") else None
 
     def to_graph_def(self) -> graph_pb2.GraphDef:
-        """The graph as a GraphDef: its storage, put in graph order, stale nodes dropped.
+        """The graph as a GraphDef: the storage, with copies of the nodes still read from the
+        source, put in graph order, stale nodes dropped.
 
-        The storage is shared with every graph this one was edited from, which must not be
-        used afterwards; an unowned storage (the caller's GraphDef) is copied first.
+        The storage is shared with every graph this one was edited from: none of them may be
+        used afterwards.
         """
-        storage = self._storage
-        if not self._owned:
-            storage = _copied(storage)
+        self.drop_indexes()  # their memory serves the sort
+        storage, source = self._storage, self._source
         nodes = storage.node
-        live = len(self._nodes)
-        if list(self._nodes.values()) != list(range(live)):  # else the first `live` nodes are the graph
-            kept = set(self._nodes.values())
+        positions = []
+        for p in self._nodes.values():
+            if p < 0:
+                nodes.add().CopyFrom(source.node[~p])
+                p = len(nodes) - 1
+            positions.append(p)
+        live = len(positions)
+        if positions != list(range(live)):  # else the first `live` nodes are the graph
+            kept = set(positions)
             for i in range(len(nodes)):
                 if i not in kept:
                     nodes[i].name = ""  # stale: a removed node, or the old version of a changed one
             position = {name: i for i, name in enumerate(self._nodes)}
             nodes.sort(key=lambda node: position.get(node.name, live))
         del nodes[live:]
+        if storage is not source:
+            for field, value in source.ListFields():
+                if field.name != "node":
+                    if field.message_type is None:
+                        setattr(storage, field.name, value)
+                    else:
+                        getattr(storage, field.name).CopyFrom(value)
         if self._library is not None:
             storage.library.CopyFrom(self._library)
         return storage
+
+    def _at(self, position: int) -> NodeDef:
+        return self._storage.node[position] if position >= 0 else self._source.node[~position]
+
+    def drop_indexes(self) -> None:
+        """Free the consumer index and the topological numbering (a graph that is done with:
+        they take more memory than its nodes' names); they are built again if asked for."""
+        self._consumers = self._numbering = None
+        self.__dict__.pop("_topological_order", None)
 
     def __contains__(self, name: object) -> bool:
         return name in self._nodes
 
     def __iter__(self) -> Iterator[NodeDef]:
-        nodes = self._storage.node
-        return (nodes[i] for i in self._nodes.values())
+        return map(self._at, self._nodes.values())
 
     def __len__(self) -> int:
         return len(self._nodes)
 
     def node(self, name: str) -> NodeDef:
         """The node itself, read-only: change a node through `Editor.mutable()`."""
-        return self._storage.node[self._nodes[name]]
+        return self._at(self._nodes[name])
 
     def names(self) -> Iterable[str]:
         return self._nodes.keys()
@@ -196,8 +216,8 @@ class Graph:
         this one: never change it.
         """
         if self._consumers is None:
-            nodes = self._storage.node
-            self._consumers = _consumer_index((name, map(parse_input, nodes[i].input)) for name, i in self._nodes.items())
+            at = self._at
+            self._consumers = _consumer_index((name, map(parse_input, at(p).input)) for name, p in self._nodes.items())
         return self._consumers
 
     def consumers_of(self, name: str, output: int | None = None) -> list[Edge]:
@@ -397,8 +417,6 @@ class Editor:
     def __init__(self, base: Graph) -> None:
         self._base = base
         self._nodes = dict(base._nodes)
-        self._storage = base._storage
-        self._owned = base._owned
         self.library = base._library  # set it to give the edited graph another function library
         self._copied: set[str] = set()
         self._removed: set[str] = set()
@@ -407,7 +425,7 @@ class Editor:
         return name in self._nodes
 
     def node(self, name: str) -> NodeDef:
-        return self._storage.node[self._nodes[name]]
+        return self._base._at(self._nodes[name])
 
     @staticmethod
     def new_node(**fields: object) -> NodeDef:
@@ -417,13 +435,10 @@ class Editor:
         return NodeDef(**fields)
 
     def _store(self, node: NodeDef) -> int:
-        """Append a copy of `node` to the storage (a copy of the base's, the first time the
-        base does not own it); its position."""
-        if not self._owned:
-            self._storage = _copied(self._storage)
-            self._owned = True
-        self._storage.node.add().CopyFrom(node)
-        return len(self._storage.node) - 1
+        """Append a copy of `node` to the storage; its position."""
+        nodes = self._base._storage.node
+        nodes.add().CopyFrom(node)
+        return len(nodes) - 1
 
     def add(self, node: NodeDef) -> None:
         name = sys.intern(node.name)
@@ -463,16 +478,10 @@ class Editor:
         touched = self._copied | self._removed
         if not touched and self.library is self._base._library:
             return self._base
-        nodes = self._storage.node
-        inputs = {
-            name: [parse_input(spec) for spec in nodes[i].input] for name, i in self._nodes.items() if name in touched
-        }
+        at = self._base._at
+        inputs = {name: [parse_input(spec) for spec in at(p).input] for name, p in self._nodes.items() if name in touched}
         change = _Change(self._base, touched, self._removed - self._nodes.keys(), inputs)
         consumers = None if self._base._consumers is None else change.updated_consumers(self._nodes)
-        return Graph(self._nodes, self._storage, self._owned, self.library, consumers, change)
+        base = self._base
+        return Graph(self._nodes, base._source, base._storage, self.library, consumers, change)
 
-
-def _copied(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
-    copy = graph_pb2.GraphDef()
-    copy.CopyFrom(graph_def)
-    return copy

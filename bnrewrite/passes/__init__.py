@@ -27,11 +27,14 @@ def run_passes(graph: Graph, plan: Plan, passes: tuple[Pass, ...] = PIPELINE) ->
     records = []
     for step in passes:
         start = time.perf_counter()
-        graph, record = step(graph, plan)
+        result, record = step(graph, plan)
         try:
-            graph.validate()
+            result.validate()
         except GraphValidationError as exc:
             raise PassError(f"pass {record.name} produced an invalid graph: {exc} (a bnrewrite bug; please report it)") from exc
+        if result is not graph:
+            graph.drop_indexes()  # the next pass builds on `result`'s
+        graph = result
         record.seconds = time.perf_counter() - start
         records.append(record)
     return graph, records
