@@ -147,27 +147,28 @@ class Graph:
         """The graph as a GraphDef: the storage, with copies of the nodes still read from the
         source, put in graph order, stale nodes dropped.
 
-        The storage is shared with every graph this one was edited from: none of them may be
-        used afterwards.
+        The storage is shared with every graph this one was edited from: neither this graph
+        nor any of them may be used afterwards.
         """
         self.drop_indexes()  # their memory serves the sort
-        storage, source = self._storage, self._source
+        storage, source, order = self._storage, self._source, self._nodes
         nodes = storage.node
-        positions = []
-        for p in self._nodes.values():
+        stale = bytearray(b"\1") * len(nodes)  # the copies made below are not stale
+        in_order = True
+        for rank, (name, p) in enumerate(order.items()):
             if p < 0:
                 nodes.add().CopyFrom(source.node[~p])
                 p = len(nodes) - 1
-            positions.append(p)
-        live = len(positions)
-        if positions != list(range(live)):  # else the first `live` nodes are the graph
-            kept = set(positions)
-            for i in range(len(nodes)):
-                if i not in kept:
-                    nodes[i].name = ""  # stale: a removed node, or the old version of a changed one
-            position = {name: i for i, name in enumerate(self._nodes)}
-            nodes.sort(key=lambda node: position.get(node.name, live))
-        del nodes[live:]
+            else:
+                stale[p] = 0
+            in_order = in_order and p == rank
+            order[name] = rank  # the graph is used up: its positions make way for ranks
+        if not in_order:
+            for i in range(len(stale)):
+                if stale[i]:
+                    nodes[i].name = ""  # a removed node, or the old version of a changed one
+            nodes.sort(key=lambda node: order.get(node.name, len(order)))
+        del nodes[len(order):]
         if storage is not source:
             for field, value in source.ListFields():
                 if field.name != "node":

@@ -41,6 +41,8 @@ import numpy as np  # noqa: E402
 import deep_net  # noqa: E402
 
 GOAL_CONFIG = (8, 50)
+#: Fresh processes per memory figure: the same rewrite's peak varies by a few MiB between runs.
+MEMORY_RUNS = 5
 
 
 def _ints(text: str) -> list[int]:
@@ -261,19 +263,21 @@ def bench_memory(configs: list[tuple[int, int]]) -> None:
         traced = json.loads(_child("--memory-child", path))
         with tempfile.TemporaryDirectory() as tmp:
             out_path = os.path.join(tmp, "out.pb")
-            peak = {mode: json.loads(_child("--memory-rss-child", path, out_path, mode))["rss_peak_delta"]
-                    for mode in ("copy", "in_place")}
+            runs = {mode: sorted(json.loads(_child("--memory-rss-child", path, out_path, mode))["rss_peak_delta"]
+                                 for _ in range(MEMORY_RUNS)) for mode in ("copy", "in_place")}
+            peak = {mode: statistics.median(values) for mode, values in runs.items()}
             parse_rss = json.loads(_child("--memory-size-child", path))["parse_rss"]
             out_parse_rss = json.loads(_child("--memory-size-child", out_path))["parse_rss"]
         body.append((
             towers, layers, f"{traced['byte_size']:.1f}", f"{traced['out_byte_size']:.1f}", f"{parse_rss:.1f}",
-            f"{out_parse_rss:.1f}", f"{traced['traced_peak']:.1f}", f"{peak['copy']:.1f}",
-            f"{peak['copy'] / parse_rss:.1f}", f"{peak['in_place']:.1f}", f"{peak['in_place'] / parse_rss:.1f}",
+            f"{out_parse_rss:.1f}", f"{traced['traced_peak']:.1f}",
+            *(text for mode in ("copy", "in_place") for text in (
+                f"{peak[mode]:.1f} ({runs[mode][0]:.0f}-{runs[mode][-1]:.0f})", f"{peak[mode] / parse_rss:.2f}")),
         ))
     _table(header, body)
     print("traced peak: tracemalloc (Python objects; protobuf's upb arenas are not traced, parsing traces ~0 MiB).")
-    print("RSS peak: the process's peak RSS during rewrite_graph(graph_def) (VmHWM, reset just before) minus its RSS "
-          "before; includes the output GraphDef, which is a copy. in place: rewrite_graph(graph_def, in_place=True), "
+    print(f"RSS peak: median (range) over {MEMORY_RUNS} fresh processes of the peak RSS during rewrite_graph(graph_def) "
+          "(VmHWM, reset just before) minus the RSS before; includes the output GraphDef, which is a copy. in place: rewrite_graph(graph_def, in_place=True), "
           "whose output is the input GraphDef itself. parse RSS: what parsing the GraphDef adds to RSS (mean of 4 "
           "parses in a fresh process).")
     print("goal: peak <= 3 x the GraphDef in memory (parse RSS)")
