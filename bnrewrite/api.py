@@ -17,7 +17,7 @@ from bnrewrite.errors import (
     InferenceOnlyError,
     NoBatchNormError,
 )
-from bnrewrite.graph import Graph, parse_input
+from bnrewrite.graph import Graph, copy_fields, parse_input
 from bnrewrite.match.sites import FUSED_GRAD, Skip, scan
 from bnrewrite.match.towers import TOWER_BY
 from bnrewrite.nodes import MARK
@@ -88,21 +88,21 @@ def rewrite_graph(
         backend=backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds,
         num_workers=num_workers, task_index=task_index,
     )
-    graph_def, meta, owned = _as_protos(graph, in_place)
+    graph_def, meta, storage = _as_protos(graph, in_place)
     size = len(graph_def.node)
     try:
-        return _rewrite(graph_def, meta, owned, options, if_rewritten)
+        return _rewrite(graph_def, meta, storage, options, if_rewritten)
     except BaseException:
-        if owned:  # drop what the passes appended; the nodes before are changed only at the very end
+        if storage is graph_def:  # drop what the passes appended; the nodes before change only at the very end
             del graph_def.node[size:]
         raise
 
 
 def _rewrite(
-    graph_def: graph_pb2.GraphDef, meta: meta_graph_pb2.MetaGraphDef | None, owned: bool, options: Options,
-    if_rewritten: str,
+    graph_def: graph_pb2.GraphDef, meta: meta_graph_pb2.MetaGraphDef | None, storage: graph_pb2.GraphDef,
+    options: Options, if_rewritten: str,
 ) -> RewriteResult:
-    model = Graph.from_graph_def(graph_def, own=owned)
+    model = Graph.from_graph_def(graph_def, storage=storage)
     model.validate()  # a dangling input or a cycle in the input is the input's fault, not a pass's
     combined, bodies = functions.flatten(model)
     census = scan(combined)
@@ -120,7 +120,9 @@ def _rewrite(
             )
         report = Report(already_rewritten=True, nodes_before=len(model), nodes_after=len(model))
         report.notes.append(f"{len(census.rewritten)} nodes already carry bnrewrite's mark")
-        return RewriteResult(graph_def if owned else _copy(graph_def), meta, report)
+        if storage is not graph_def:
+            storage.CopyFrom(graph_def)
+        return RewriteResult(storage, meta, report)
     if not census.sites:
         if census.inference:
             raise InferenceOnlyError(
@@ -217,27 +219,28 @@ def _plan_without_shared_body_updates(graph: Graph, census: Any, options: Option
     return make_plan(graph, census, options)
 
 
-def _copy(message: Any) -> Any:
-    out = type(message)()
-    out.CopyFrom(message)
-    return out
-
-
-def _as_protos(graph: Any, in_place: bool) -> tuple[graph_pb2.GraphDef, meta_graph_pb2.MetaGraphDef | None, bool]:
-    """The GraphDef to rewrite, the MetaGraphDef it belongs to (if any), and whether the
-    rewrite owns them: may change them in place (a copy or an export of the caller's graph,
-    or the caller's own with in_place). An unowned GraphDef is copied at the first change."""
+def _as_protos(
+    graph: Any, in_place: bool
+) -> tuple[graph_pb2.GraphDef, meta_graph_pb2.MetaGraphDef | None, graph_pb2.GraphDef]:
+    """The GraphDef to rewrite, the MetaGraphDef the result goes in (if any), and the GraphDef
+    the result is built in: the one to rewrite when that is ours to change (in_place, or an
+    export of a tf.Graph), else a new one (in the new MetaGraphDef)."""
     if isinstance(graph, meta_graph_pb2.MetaGraphDef):
-        meta = graph if in_place else _copy(graph)
-        return meta.graph_def, meta, True
+        if in_place:
+            graph_def = graph.graph_def
+            return graph_def, graph, graph_def
+        meta = meta_graph_pb2.MetaGraphDef()
+        copy_fields(graph, meta, but="graph_def")
+        return graph.graph_def, meta, meta.graph_def
     if isinstance(graph, graph_pb2.GraphDef):
-        return graph, None, in_place
+        return graph, None, graph if in_place else graph_pb2.GraphDef()
     if hasattr(graph, "as_graph_def") and hasattr(graph, "get_all_collection_keys"):
         import tensorflow as tf
 
         with graph.as_default():
             meta = tf.compat.v1.train.export_meta_graph(graph=graph, clear_devices=False)
-        return meta.graph_def, meta, True
+        graph_def = meta.graph_def
+        return graph_def, meta, graph_def
     raise BnRewriteError(f"rewrite_graph takes a tf.Graph, GraphDef or MetaGraphDef, not {type(graph).__name__}")
 
 

@@ -8,8 +8,8 @@ costs little memory. Passes never mutate a `Graph`. They call `graph.edit()`, ch
 node an edit adds, replaces or changes is appended to the storage and the new graph points
 at that copy, so every graph made along the way stays readable and a pass costs what it
 changes plus one dict copy. `to_graph_def()` at the end copies the nodes still in the source
-into the storage (none when the source is the storage: an owned GraphDef is rewritten in
-place), puts the storage in graph order and drops the stale nodes.
+into the storage (none when the source is the storage: a GraphDef rewritten in place),
+puts the storage in graph order and drops the stale nodes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import re
 import sys
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Iterator, NamedTuple
+from typing import Any, Iterable, Iterator, NamedTuple
 
 from tensorflow.core.framework import graph_pb2, node_def_pb2
 
@@ -124,17 +124,20 @@ class Graph:
         self._numbering: dict[str, int] | None = None  # set by validate(): the graph is valid
 
     @classmethod
-    def from_graph_def(cls, graph_def: graph_pb2.GraphDef, *, own: bool = False) -> "Graph":
-        """The graph of `graph_def`. own: edits append their nodes to `graph_def`, and
-        `to_graph_def()` rewrites it in place, which saves a copy of the graph; otherwise they
-        go to a GraphDef of the graph's own, and `to_graph_def()` copies the nodes kept."""
+    def from_graph_def(cls, graph_def: graph_pb2.GraphDef, *, storage: graph_pb2.GraphDef | None = None) -> "Graph":
+        """The graph of `graph_def`. storage: the GraphDef edits append their nodes to and
+        `to_graph_def()` returns (a new one by default); `graph_def` itself to rewrite it in
+        place, which saves copying the nodes kept."""
+        if storage is None:
+            storage = graph_pb2.GraphDef()
+        in_place = storage is graph_def
         nodes: dict[str, int] = {}
         for i, node in enumerate(graph_def.node):
             name = sys.intern(node.name)  # one string per name, shared by every index
             if name in nodes:
                 raise GraphValidationError(f"node name {name!r} appears twice")
-            nodes[name] = i if own else ~i
-        return cls(nodes, graph_def, graph_def if own else graph_pb2.GraphDef())
+            nodes[name] = i if in_place else ~i
+        return cls(nodes, graph_def, storage)
 
     @property
     def library(self) -> object:
@@ -170,12 +173,7 @@ class Graph:
             nodes.sort(key=lambda node: order.get(node.name, len(order)))
         del nodes[len(order):]
         if storage is not source:
-            for field, value in source.ListFields():
-                if field.name != "node":
-                    if field.message_type is None:
-                        setattr(storage, field.name, value)
-                    else:
-                        getattr(storage, field.name).CopyFrom(value)
+            copy_fields(source, storage, but="node")
         if self._library is not None:
             storage.library.CopyFrom(self._library)
         return storage
@@ -486,3 +484,13 @@ class Editor:
         base = self._base
         return Graph(self._nodes, base._source, base._storage, self.library, consumers, change)
 
+
+def copy_fields(source: Any, target: Any, but: str) -> None:
+    """Copy every field of protobuf message `source` into `target`, except the field `but`."""
+    for field, value in source.ListFields():
+        if field.name == but:
+            continue
+        if field.message_type is None:
+            setattr(target, field.name, value)
+        else:
+            getattr(target, field.name).MergeFrom(value)

@@ -235,12 +235,18 @@ def test_in_place_gives_the_same_graph_in_the_input_order():
     assert all(MARK in n.attr for n in graph_def.node[len(kept):])
 
 
-def test_in_place_meta_graph_def_and_its_collections():
+def test_meta_graph_def_copied_or_in_place_and_its_collections():
     graph = build_towers(Spec(towers=2)).graph
     with graph.as_default():
         meta = tf1.train.export_meta_graph(graph=graph)
+    before = meta.SerializeToString(deterministic=True)
+    copied = rewrite_graph(meta).meta_graph_def
+    assert meta.SerializeToString(deterministic=True) == before
+    assert copied.meta_info_def == meta.meta_info_def and copied.saver_def == meta.saver_def
+    assert copied.graph_def.versions == meta.graph_def.versions and len(copied.graph_def.node) > len(meta.graph_def.node)
     result = rewrite_graph(meta, in_place=True)
     assert result.meta_graph_def is meta
+    assert meta.SerializeToString(deterministic=True) == copied.SerializeToString(deterministic=True)
     names = {n.name for n in meta.graph_def.node}
     assert len(names) == len(result.graph_def.node) and any(MARK in n.attr for n in meta.graph_def.node)
     update_ops = meta.collection_def["update_ops"].node_list.value

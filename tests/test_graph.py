@@ -104,14 +104,14 @@ def test_an_edit_that_changes_nothing_returns_the_base():
     assert _run(graph, lambda e: None) is graph
 
 
-@pytest.mark.parametrize("own", [False, True])
-def test_to_graph_def_puts_the_storage_in_graph_order(own):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_to_graph_def_puts_the_storage_in_graph_order(in_place):
     """Changed nodes where they were, removed and stale ones gone, new ones at the end; the
-    source GraphDef is rewritten only when the graph owns it."""
+    source GraphDef is rewritten only when it is the storage."""
     source = _small_graph().to_graph_def()
     before = source.SerializeToString(deterministic=True)
     producer = source.versions.producer
-    graph = Graph.from_graph_def(source, own=own)
+    graph = Graph.from_graph_def(source, storage=source if in_place else None)
 
     def edit(editor):
         editor.add(_node(editor, "d", "Neg", ["b"]))
@@ -123,5 +123,5 @@ def test_to_graph_def_puts_the_storage_in_graph_order(own):
     assert [(n.name, n.op) for n in out.node] == [("x", "Placeholder"), ("two", "Const"), ("a", "Mul"), ("b", "Sub"), ("d", "Neg")]
     assert list(out.node[2].input) == ["x", "x"]
     assert producer > 0 and out.versions.producer == producer
-    assert (out is source) == own
-    assert (source.SerializeToString(deterministic=True) == before) != own
+    assert (out is source) == in_place
+    assert (source.SerializeToString(deterministic=True) == before) != in_place
