@@ -118,6 +118,7 @@ class Graph:
         self._nodes = nodes  # name -> position: p >= 0 is storage.node[p], p < 0 is source.node[~p]
         self._source = source  # the GraphDef read; never written unless it is the storage
         self._storage = storage  # where edits append the nodes they make
+        self._read, self._stored = source.node, storage.node  # the node lists, looked up once
         self._library = library  # a function library that replaces the source's
         self._consumers = consumers
         self._change = change  # how an edit made this graph, until validate() has used it
@@ -178,8 +179,10 @@ class Graph:
             storage.library.CopyFrom(self._library)
         return storage
 
-    def _at(self, position: int) -> NodeDef:
-        return self._storage.node[position] if position >= 0 else self._source.node[~position]
+    def _all(self, positions: Iterable[int]) -> Iterator[NodeDef]:
+        """The nodes at `positions` (the lookup of `node()`, inline: it runs once per node)."""
+        stored, read = self._stored, self._read
+        return (stored[p] if p >= 0 else read[~p] for p in positions)
 
     def drop_indexes(self) -> None:
         """Free the consumer index and the topological numbering (a graph that is done with:
@@ -191,14 +194,15 @@ class Graph:
         return name in self._nodes
 
     def __iter__(self) -> Iterator[NodeDef]:
-        return map(self._at, self._nodes.values())
+        return self._all(self._nodes.values())
 
     def __len__(self) -> int:
         return len(self._nodes)
 
     def node(self, name: str) -> NodeDef:
         """The node itself, read-only: change a node through `Editor.mutable()`."""
-        return self._at(self._nodes[name])
+        p = self._nodes[name]
+        return self._stored[p] if p >= 0 else self._read[~p]
 
     def names(self) -> Iterable[str]:
         return self._nodes.keys()
@@ -215,8 +219,10 @@ class Graph:
         this one: never change it.
         """
         if self._consumers is None:
-            at = self._at
-            self._consumers = _consumer_index((name, map(parse_input, at(p).input)) for name, p in self._nodes.items())
+            nodes = self._nodes
+            self._consumers = _consumer_index(
+                (name, map(parse_input, node.input)) for name, node in zip(nodes, self._all(nodes.values()))
+            )
         return self._consumers
 
     def consumers_of(self, name: str, output: int | None = None) -> list[Edge]:
@@ -296,16 +302,17 @@ class Graph:
         """
         if self._numbering is not None:
             return
-        change = self._change
+        change, nodes = self._change, self._nodes
         if change is not None and change.base._numbering is not None:
             suspects: Iterable[str] = [
-                *change.inputs, *(reader for name in change.removed for reader in self.consumers.get(name, ())),
+                *(name for name, pairs in change.inputs.items() if any(src not in nodes for src, _ in pairs)),
+                *(reader for name in change.removed for reader in self.consumers.get(name, ())),
             ]
         else:
-            suspects = self._nodes if self.consumers.keys() - self._nodes.keys() else ()
+            suspects = nodes if self.consumers.keys() - nodes.keys() else ()
         for name in suspects:  # name the first dangling input
             for spec in self.node(name).input:
-                if parse_input(spec)[0] not in self._nodes:
+                if parse_input(spec)[0] not in nodes:
                     raise GraphValidationError(f"node {name!r} reads {spec!r}, which does not exist")
         self._numbering = self._extended_numbering() or self._full_numbering()
 
@@ -416,6 +423,7 @@ class Editor:
     def __init__(self, base: Graph) -> None:
         self._base = base
         self._nodes = dict(base._nodes)
+        self._read, self._stored = base._read, base._stored
         self.library = base._library  # set it to give the edited graph another function library
         self._copied: set[str] = set()
         self._removed: set[str] = set()
@@ -424,7 +432,8 @@ class Editor:
         return name in self._nodes
 
     def node(self, name: str) -> NodeDef:
-        return self._base._at(self._nodes[name])
+        p = self._nodes[name]
+        return self._stored[p] if p >= 0 else self._read[~p]
 
     @staticmethod
     def new_node(**fields: object) -> NodeDef:
@@ -435,9 +444,9 @@ class Editor:
 
     def _store(self, node: NodeDef) -> int:
         """Append a copy of `node` to the storage; its position."""
-        nodes = self._base._storage.node
-        nodes.add().CopyFrom(node)
-        return len(nodes) - 1
+        stored = self._stored
+        stored.add().CopyFrom(node)
+        return len(stored) - 1
 
     def add(self, node: NodeDef) -> None:
         name = sys.intern(node.name)
@@ -477,8 +486,9 @@ class Editor:
         touched = self._copied | self._removed
         if not touched and self.library is self._base._library:
             return self._base
-        at = self._base._at
-        inputs = {name: [parse_input(spec) for spec in at(p).input] for name, p in self._nodes.items() if name in touched}
+        touched_in_order = [name for name in self._nodes if name in touched]
+        nodes = self._base._all(self._nodes[name] for name in touched_in_order)
+        inputs = {name: [parse_input(spec) for spec in node.input] for name, node in zip(touched_in_order, nodes)}
         change = _Change(self._base, touched, self._removed - self._nodes.keys(), inputs)
         consumers = None if self._base._consumers is None else change.updated_consumers(self._nodes)
         base = self._base
