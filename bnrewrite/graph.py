@@ -15,7 +15,6 @@ puts the storage in graph order and drops the stale nodes.
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Iterable, Iterator, NamedTuple
@@ -111,6 +110,7 @@ class Graph:
         nodes: dict[str, int],
         source: graph_pb2.GraphDef,
         storage: graph_pb2.GraphDef,
+        names: dict[str, str],
         library: object = None,
         consumers: dict[str, list[str]] | None = None,
         change: "_Change | None" = None,
@@ -119,6 +119,10 @@ class Graph:
         self._source = source  # the GraphDef read; never written unless it is the storage
         self._storage = storage  # where edits append the nodes they make
         self._read, self._stored = source.node, storage.node  # the node lists, looked up once
+        # Every node name the graphs of this source have had -> one string object for it, which
+        # every index uses (a name parsed from an input would be a copy). Not sys.intern: the
+        # interpreter's table only grows, and doubles at sizes one cannot choose.
+        self._names = names
         self._library = library  # a function library that replaces the source's
         self._consumers = consumers
         self._change = change  # how an edit made this graph, until validate() has used it
@@ -134,11 +138,11 @@ class Graph:
         in_place = storage is graph_def
         nodes: dict[str, int] = {}
         for i, node in enumerate(graph_def.node):
-            name = sys.intern(node.name)  # one string per name, shared by every index
+            name = node.name
             if name in nodes:
                 raise GraphValidationError(f"node name {name!r} appears twice")
             nodes[name] = i if in_place else ~i
-        return cls(nodes, graph_def, storage)
+        return cls(nodes, graph_def, storage, dict(zip(nodes, nodes)))
 
     @property
     def library(self) -> object:
@@ -221,7 +225,8 @@ class Graph:
         if self._consumers is None:
             nodes = self._nodes
             self._consumers = _consumer_index(
-                (name, map(parse_input, node.input)) for name, node in zip(nodes, self._all(nodes.values()))
+                ((name, map(parse_input, node.input)) for name, node in zip(nodes, self._all(nodes.values()))),
+                self._names,
             )
         return self._consumers
 
@@ -352,15 +357,15 @@ class Graph:
         return numbering
 
 
-def _consumer_index(inputs: Iterable[tuple[str, Iterable[tuple[str, int]]]]) -> dict[str, list[str]]:
+def _consumer_index(inputs: Iterable[tuple[str, Iterable[tuple[str, int]]]], names: dict[str, str]) -> dict[str, list[str]]:
     """Producer -> the nodes reading it, each once, from (consumer, its parsed inputs) pairs in
-    graph order."""
+    graph order; keys are the strings of `names` where it has them."""
     index: dict[str, list[str]] = {}
     for name, pairs in inputs:
         for src, _ in pairs:
             readers = index.get(src)
             if readers is None:
-                index[sys.intern(src)] = [name]
+                index[names.get(src, src)] = [name]
             elif readers[-1] != name:  # a node's inputs come one after another: repeats are adjacent
                 readers.append(name)
     return index
@@ -385,7 +390,7 @@ class _Change:
         is sorted only when a node changed in place reads its producer.
         """
         base = self.base.consumers
-        new_edges = _consumer_index(self.inputs.items())
+        new_edges = _consumer_index(self.inputs.items(), self.base._names)
         producers = set(new_edges)
         for name in self.touched & self.base._nodes.keys():
             producers.update(parse_input(spec)[0] for spec in self.base.node(name).input)
@@ -449,7 +454,8 @@ class Editor:
         return len(stored) - 1
 
     def add(self, node: NodeDef) -> None:
-        name = sys.intern(node.name)
+        name = node.name
+        name = self._base._names.setdefault(name, name)
         if name in self._nodes:
             raise GraphValidationError(f"a node named {name!r} already exists")
         self._nodes[name] = self._store(node)
@@ -492,7 +498,7 @@ class Editor:
         change = _Change(self._base, touched, self._removed - self._nodes.keys(), inputs)
         consumers = None if self._base._consumers is None else change.updated_consumers(self._nodes)
         base = self._base
-        return Graph(self._nodes, base._source, base._storage, self.library, consumers, change)
+        return Graph(self._nodes, base._source, base._storage, base._names, self.library, consumers, change)
 
 
 def copy_fields(source: Any, target: Any, but: str) -> None:

@@ -36,7 +36,7 @@ def _node(editor, name: str, op: str, inputs: list[str]):
 
 
 def _scratch_index(graph: Graph) -> dict:
-    return _consumer_index((n.name, map(parse_input, n.input)) for n in graph)
+    return _consumer_index(((n.name, map(parse_input, n.input)) for n in graph), {})
 
 
 def _assert_numbering_orders_edges(graph: Graph) -> None:
