@@ -143,8 +143,8 @@ def _rewrite(
                 "all-reduces inside If branch functions are not chained across functions by order_collectives "
                 "(fine with the collective backend; with NCCL, towers could launch them in different orders)"
             )
-    out_def = rewritten.to_graph_def()
     report = _report(plan, records, census, len(model), len(rewritten))
+    out_def = rewritten.to_graph_def()  # uses `rewritten` up
     if report_note:
         report.notes.append(report_note)
     if options.num_workers > 1:
