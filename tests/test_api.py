@@ -222,11 +222,13 @@ def test_bad_options():
         rewrite_graph("model.pb")
 
 
-def test_in_place_gives_the_same_graph_in_the_input_order():
-    graph_def = build_towers(Spec(towers=2)).graph.as_graph_def()
+@pytest.mark.parametrize("layer", ["legacy", "legacy_cond_v1", "moments_cond_v2"])
+def test_in_place_gives_the_same_graph_in_the_input_order(layer):
+    """Also with branch functions, which the rewrite flattens into the graph and writes back."""
+    graph_def = build_towers(Spec(towers=2, layer=layer)).graph.as_graph_def()
     original = [n.name for n in graph_def.node]
-    copied = rewrite_graph(graph_def).graph_def
-    result = rewrite_graph(graph_def, in_place=True)
+    copied = rewrite_graph(graph_def, backend="collective").graph_def
+    result = rewrite_graph(graph_def, backend="collective", in_place=True)
     assert result.graph_def is graph_def
     assert graph_def.SerializeToString(deterministic=True) == copied.SerializeToString(deterministic=True)
     removed = {r["node"] for r in result.report.removed}
