@@ -160,12 +160,12 @@ class Graph:
         """
         self.drop_indexes()  # their memory serves the sort
         storage, source, order = self._storage, self._source, self._nodes
-        nodes = storage.node
+        nodes, read = self._stored, self._read
         stale = bytearray(b"\1") * len(nodes)  # the copies made below are not stale
         in_order = True
         for rank, (name, p) in enumerate(order.items()):
             if p < 0:
-                nodes.add().CopyFrom(source.node[~p])
+                nodes.add().CopyFrom(read[~p])
                 p = len(nodes) - 1
             else:
                 stale[p] = 0
@@ -183,8 +183,11 @@ class Graph:
             storage.library.CopyFrom(self._library)
         return storage
 
+    def _node_at(self, position: int) -> NodeDef:
+        return self._stored[position] if position >= 0 else self._read[~position]
+
     def _all(self, positions: Iterable[int]) -> Iterator[NodeDef]:
-        """The nodes at `positions` (the lookup of `node()`, inline: it runs once per node)."""
+        """The nodes at `positions` (`_node_at`, inline: it runs once per node of the graph)."""
         stored, read = self._stored, self._read
         return (stored[p] if p >= 0 else read[~p] for p in positions)
 
@@ -205,8 +208,7 @@ class Graph:
 
     def node(self, name: str) -> NodeDef:
         """The node itself, read-only: change a node through `Editor.mutable()`."""
-        p = self._nodes[name]
-        return self._stored[p] if p >= 0 else self._read[~p]
+        return self._node_at(self._nodes[name])
 
     def names(self) -> Iterable[str]:
         return self._nodes.keys()
@@ -428,7 +430,6 @@ class Editor:
     def __init__(self, base: Graph) -> None:
         self._base = base
         self._nodes = dict(base._nodes)
-        self._read, self._stored = base._read, base._stored
         self.library = base._library  # set it to give the edited graph another function library
         self._copied: set[str] = set()
         self._removed: set[str] = set()
@@ -437,8 +438,7 @@ class Editor:
         return name in self._nodes
 
     def node(self, name: str) -> NodeDef:
-        p = self._nodes[name]
-        return self._stored[p] if p >= 0 else self._read[~p]
+        return self._base._node_at(self._nodes[name])
 
     @staticmethod
     def new_node(**fields: object) -> NodeDef:
@@ -449,7 +449,7 @@ class Editor:
 
     def _store(self, node: NodeDef) -> int:
         """Append a copy of `node` to the storage; its position."""
-        stored = self._stored
+        stored = self._base._stored
         stored.add().CopyFrom(node)
         return len(stored) - 1
 
