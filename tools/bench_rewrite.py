@@ -12,6 +12,10 @@ as .pb in a temp dir) and in one process, repetitions interleaved:
 
 Medians are printed with ratios, microseconds per input node, and the scaling exponent of
 each column over graph size (least-squares slope of log time on log nodes; 1.0 is linear).
+Then the work of one rewrite, counted rather than timed (Python function calls, by cProfile:
+the same on every machine), fitted as a cost per node plus a cost per batch-norm site, with
+exponents per tower count: whether the rewrite is linear, apart from how this machine's
+caches price a bigger graph.
 Then the CLI end to end on the 8 x 50 .pb, and the peak memory of one rewrite measured in
 fresh subprocesses (tracemalloc's peak; and the peak RSS during the rewrite over the RSS just
 before it, for rewrite_graph(graph_def) and rewrite_graph(graph_def, in_place=True)), against
@@ -21,9 +25,11 @@ the size of the GraphDef (ByteSize, and the RSS that parsing it took).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import os
+import pstats
 import re
 import statistics
 import subprocess
@@ -91,9 +97,13 @@ def bench_config(towers: int, layers: int, reps: int) -> dict:
     for record in records:
         for p in record:
             passes.setdefault(str(p["name"]), []).append(float(p["seconds"]))
+    profile = cProfile.Profile()
+    profile.runcall(rewrite_graph, graph_def)
     return {
         "towers": towers, "layers": layers, "nodes": len(graph_def.node),
         "nodes_out": len(result.graph_def.node), "bytes": len(data),
+        "sites": sum(len(row.sites) for row in result.report.layers),
+        "calls": pstats.Stats(profile).total_calls,  # type: ignore[attr-defined]
         **{k: statistics.median(v) for k, v in times.items()},
         "cpu": {k: statistics.median(v) for k, v in cpu.items()},
         "passes": {k: statistics.median(v) for k, v in passes.items()},
@@ -141,6 +151,38 @@ def print_speed(rows: list[dict]) -> None:
               f"{r['cpu']['rewrite'] / r['cpu']['import']:.2f}")
         print("  passes (median s, validation included): "
               + ", ".join(f"{k} {v:.3f}" for k, v in r["passes"].items()))
+
+
+def print_work(rows: list[dict]) -> None:
+    """The work of a rewrite, counted: is it linear in the graph, whatever the caches do?"""
+    print("\n== work of one rewrite (Python function calls, counted by cProfile: the same on any machine) ==")
+    matrix = np.array([[r["nodes"], r["sites"]] for r in rows], dtype=float)
+    calls = np.array([r["calls"] for r in rows], dtype=float)
+    (per_node, per_site), *_ = np.linalg.lstsq(matrix, calls, rcond=None)
+    fitted = matrix @ [per_node, per_site]
+    _table(("towers", "layers", "nodes", "BN sites", "calls", "calls/node", "fit error"), [(
+        r["towers"], r["layers"], r["nodes"], r["sites"], r["calls"], f"{r['calls'] / r['nodes']:.1f}",
+        f"{(r['calls'] - f) / f:+.1%}",
+    ) for r, f in zip(rows, fitted)])
+    print(f"calls = {per_node:.1f} x nodes + {per_site:.0f} x BN sites fits every graph within "
+          f"{np.max(np.abs(calls - fitted) / fitted):.1%}: the work is linear in nodes and sites; "
+          f"{per_site * matrix[:, 1].sum() / fitted.sum():.0%} of it is per site")
+    by_towers: dict[int, list[dict]] = {}
+    for r in rows:
+        by_towers.setdefault(r["towers"], []).append(r)
+    series = {t: rs for t, rs in sorted(by_towers.items()) if len(rs) >= 2}
+    if series:
+        def slopes(key: str) -> str:
+            return ", ".join(
+                f"{t} towers {np.polyfit(np.log([r['nodes'] for r in rs]), np.log([r[key] for r in rs]), 1)[0]:.3f}"
+                for t, rs in series.items())
+        print(f"exponent over input nodes at a fixed tower count (sites per node fixed): calls: {slopes('calls')}; "
+              f"time: {slopes('rewrite')}")
+    if len(rows) >= 2:
+        sizes = np.log(matrix[:, 0])
+        print(f"sites ~ input nodes^{np.polyfit(sizes, np.log(matrix[:, 1]), 1)[0]:.3f} over these graphs (more towers, "
+              f"more sites per node): a cost per site alone would scale so; calls ~ input nodes^"
+              f"{np.polyfit(sizes, np.log(calls), 1)[0]:.3f}")
 
 
 def _table(header: tuple, body: list[tuple]) -> None:
@@ -316,6 +358,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{t} towers x {n} layers: {r['nodes']} nodes, rewrite {r['rewrite'] * 1e3:.0f} ms, "
               f"import {r['import'] * 1e3:.0f} ms, proto {r['proto'] * 1e3:.0f} ms", flush=True)
     print_speed(rows)
+    print_work(rows)
     if not args.no_cli:
         bench_cli(*GOAL_CONFIG, reps=3)
     if not args.no_memory:
