@@ -17,7 +17,7 @@ It builds:
 Tower shapes (Spec fields; the defaults build the graphs above, node for node):
 
 * ``tower_prefix``: tower k's name scope is ``f"{tower_prefix}{k}"``
-  (``replica_``, ``clone_``...); ``""`` opens no name scope at all, so the towers
+  (``replica_``, ``clone_``, nested ``model/tower_``...); ``""`` opens no name scope at all, so the towers
   differ only by device and TensorFlow uniquifies their op names (``net/...``,
   ``net_1/...``; the tower losses are then ``tower_loss``, ``tower_loss_1``...).
 * ``uneven``: placeholders with a dynamic batch dimension and
@@ -123,9 +123,10 @@ class Spec:
     image: int = 6  # H = W
     channels: int = 3  # input channels
     seed: int = 0
-    #: Name scope of tower k is f"{tower_prefix}{k}"; "" means none: only the variable scope
-    #: "net" is reused and TensorFlow uniquifies the op names (net/..., net_1/...), so the
-    #: towers differ only by device.
+    #: Name scope of tower k is f"{tower_prefix}{k}", nested when the prefix has a "/"
+    #: ("model/tower_": every tower inside one outer scope); "" means none: only the variable
+    #: scope "net" is reused and TensorFlow uniquifies the op names (net/..., net_1/...), so
+    #: the towers differ only by device.
     tower_prefix: str = "tower_"
     #: Dynamic batch dimension (placeholders [None, ...]) and a loss that allows uneven
     #: per-tower batches: loss_k = reduce_sum(xent_k) * K / N, where N is the
@@ -148,8 +149,8 @@ class Spec:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.towers < 1 or self.batch < 1 or self.image < 1 or self.channels < 1:
             raise ValueError(f"towers, batch, image, channels must be >= 1: {self}")
-        if "/" in self.tower_prefix:
-            raise ValueError(f"tower_prefix must be a plain name scope prefix, got {self.tower_prefix!r}")
+        if self.tower_prefix.startswith("/") or self.tower_prefix.endswith("/"):
+            raise ValueError(f"tower_prefix must be a name scope prefix, got {self.tower_prefix!r}")
 
 
 @dataclass

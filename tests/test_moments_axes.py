@@ -1,5 +1,6 @@
 """Moments over other axes: the legacy layer on a 2-D input (moments over the batch axis
-only), against the one-device oracle; tf.nn.weighted_moments is reported as skipped."""
+only), against the one-device oracle; tf.nn.weighted_moments is reported as skipped; a
+moments site knows the scale and offset variables of the normalization it feeds."""
 
 import numpy as np
 import pytest
@@ -90,3 +91,28 @@ def test_weighted_moments_are_reported_as_skipped():
 
     skips = scan(Graph.from_graph_def(graph.as_graph_def())).skips
     assert len(skips) == 2 and all("weighted_moments" in s.reason for s in skips)
+
+
+@pytest.mark.parametrize("affine", ["scale+offset", "offset", "scale", "none"])
+def test_moments_sites_know_the_variables_their_normalization_reads(affine):
+    """tf.nn.moments + tf.nn.batch_normalization, by hand, with resource variables read through
+    reshapes: the site records the scale and offset variables (what groups a layer's copies
+    across towers when their names do not line up), None where the layer has none."""
+    from bnrewrite.graph import Graph
+    from bnrewrite.match.sites import scan
+
+    graph = tf.Graph()
+    with graph.as_default(), tf1.variable_scope("bn"):
+        x = tf1.placeholder(tf.float32, [B, 2, 2, 3], name="x")
+        gamma = tf1.get_variable("gamma", initializer=np.ones(3, np.float32))
+        beta = tf1.get_variable("beta", initializer=np.zeros(3, np.float32))
+        mean, var = tf.nn.moments(x, [0, 1, 2])
+        y = tf.nn.batch_normalization(
+            x, tf.reshape(mean, [1, 1, 1, 3]), tf.reshape(var, [1, 1, 1, 3]),
+            tf.reshape(beta, [1, 1, 1, 3]) if "offset" in affine else None,
+            tf.reshape(gamma, [1, 1, 1, 3]) if "scale" in affine else None, 1e-3)
+        tf1.gradients(tf.reduce_sum(y * y), [x])
+    (site,) = scan(Graph.from_graph_def(graph.as_graph_def())).sites
+    assert site.kind == "moments"
+    assert site.scale_var == ("bn/gamma" if "scale" in affine else None)
+    assert site.offset_var == ("bn/beta" if "offset" in affine else None)

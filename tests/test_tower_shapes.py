@@ -2,7 +2,8 @@
 
 * Towers without a name scope (only the variable scope "net" reused, TensorFlow uniquifies
   the op names to net/..., net_1/...), told apart by device; name-scope towers with other
-  prefixes (replica_, gpu_, clone_); and scope grouping asked for explicitly.
+  prefixes (replica_, gpu_, clone_) or inside an outer scope (model/tower_k); and scope
+  grouping asked for explicitly.
 * Uneven per-tower batches with a dynamic batch dimension, including steps where a tower
   gets no example at all: the all-reduces carry the counts, so nobody hangs and the result
   is one device on the concatenated batch (Spec.uneven weights each tower's loss by K/N).
@@ -94,6 +95,18 @@ def test_other_name_scope_prefixes(prefix, layer):
     report = check_oracle(f"{prefix}-{layer}", Spec(towers=2, layer=layer, tower_prefix=prefix))
     assert report.tower_by == "device" and report.towers == ["/device:CPU:0", "/device:CPU:1"]
     check_layers(report, [f"{prefix}0/net", f"{prefix}1/net"])
+
+
+@pytest.mark.parametrize("layer", ["moments_cond_v1", "moments_cond_v2", "legacy"])
+def test_towers_inside_an_outer_scope(layer):
+    """model/tower_k/...: the tower's scope is not the top one, so names alone do not line the
+    layers up; the scale and offset variables they share do, for tf.nn.moments layers too
+    (those of the tf.nn.batch_normalization their statistics feed)."""
+    report = check_oracle(f"outer-scope-{layer}", Spec(towers=2, layer=layer, tower_prefix="model/tower_"))
+    assert report.tower_by == "device"
+    assert [row.layer for row in report.layers] == BN_LAYERS
+    for row in report.layers:
+        assert [site.split("/")[:2] for site in row.sites] == [["model", "tower_0"], ["model", "tower_1"]]
 
 
 @pytest.mark.parametrize("prefix, k", [("clone_", 3), ("", 2)], ids=["clone", "no-prefix"])

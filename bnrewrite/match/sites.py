@@ -16,7 +16,12 @@ FUSED_FORWARD = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNorm
 FUSED_GRAD = frozenset({"FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3"})
 VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable", "_VarHandlesOp"})
 #: Ops a variable's value passes through unchanged on its way to a consumer.
-_READ_THROUGH = frozenset({"ReadVariableOp", "Identity", "Enter", "Switch", "RefIdentity", "RefEnter", "RefSwitch", "Cast"})
+_READ_THROUGH = frozenset({
+    "ReadVariableOp", "Identity", "Enter", "Switch", "RefIdentity", "RefEnter", "RefSwitch", "Cast", "Reshape",
+})
+#: Ops a batch statistic passes through, its values unchanged, on its way from tf.nn.moments
+#: into tf.nn.batch_normalization.
+_STATISTIC_THROUGH = frozenset({"Identity", "Squeeze", "Reshape", "ExpandDims", "Cast", "Switch"})
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,9 @@ class Site:
     kind "moments": `name` is the Mean that `tf.nn.moments` makes, `variance` the Mean of
     the squared differences, and `grads`/`variance_grads` the Reshape nodes through which
     each `tf.gradients` call feeds the gradients of mean and variance back (aligned).
+    `scale_var`/`offset_var`: the variables the normalization reads as scale and offset (for
+    moments, those of the tf.nn.batch_normalization its statistics feed), None if none;
+    copies of a layer in several towers share them.
     """
 
     name: str
@@ -109,7 +117,7 @@ class Census:
 
 
 def resolve_variable(graph: Graph, node: str) -> str | None:
-    """The variable whose value `node` carries, following reads and identities."""
+    """The variable whose values `node` carries, following reads, identities and reshapes."""
     seen = 0
     while node in graph and seen < 16:
         op = graph.node(node).op
@@ -253,6 +261,7 @@ def _moments_site(graph: Graph, variance: object, gradient_reshapes: dict[str, l
     if len(grads) != len(variance_grads):
         return None, f"the gradient reaches only one of mean and variance of {mean}; left unsynced"
     dtype = int(_attr(mean_node, "T", types_pb2.DT_FLOAT))
+    scale_var, offset_var = _affine_variables(graph, variance.name)  # type: ignore[attr-defined]
     site = Site(
         name=mean,
         op="Moments",
@@ -263,8 +272,8 @@ def _moments_site(graph: Graph, variance: object, gradient_reshapes: dict[str, l
         avg_factor=1.0,
         device=graph.device(mean),
         grads=tuple(grads),
-        scale_var=None,
-        offset_var=None,
+        scale_var=scale_var,
+        offset_var=offset_var,
         kind="moments",
         variance=variance.name,  # type: ignore[attr-defined]
         axes=tuple(int(a) for a in np.atleast_1d(axes)),
@@ -272,6 +281,54 @@ def _moments_site(graph: Graph, variance: object, gradient_reshapes: dict[str, l
         variance_grads=tuple(variance_grads),
     )
     return site, ""
+
+
+def _affine_variables(graph: Graph, variance: str) -> tuple[str | None, str | None]:
+    """(scale, offset) variables of the tf.nn.batch_normalization that `variance` feeds, which
+    computes inv = Rsqrt(variance + epsilon) [* scale] and y = x * inv + (offset - mean * inv).
+
+    They tell the copies of a layer apart from other layers whatever the towers' names are.
+    """
+    scale = offset = None
+    for add in _reached(graph, variance, frozenset({"Add", "AddV2"})):
+        for rsqrt in _reached(graph, add, frozenset({"Rsqrt"}), through=frozenset()):
+            inverses = [rsqrt]
+            for mul in _reached(graph, rsqrt, _MUL):
+                variable = _variable_operand(graph, mul)
+                if variable is not None:
+                    scale = scale or variable
+                    inverses.append(mul)
+            for mul in (m for inverse in inverses for m in _reached(graph, inverse, _MUL)):
+                for sub in _reached(graph, mul, frozenset({"Sub"}), through=frozenset()):
+                    if graph.producer(sub, 1)[0] == mul:
+                        offset = offset or resolve_variable(graph, graph.producer(sub, 0)[0])
+    return scale, offset
+
+
+_MUL = frozenset({"Mul"})
+
+
+def _reached(graph: Graph, start: str, ops: frozenset[str], through: frozenset[str] = _STATISTIC_THROUGH) -> list[str]:
+    """Nodes of `ops` that read `start`, directly or through a few `through` ops."""
+    found, frontier, seen = [], [start], {start}
+    for _ in range(4):
+        nxt = []
+        for reader in (r for node in frontier for r in graph.consumers.get(node, ())):
+            if reader in seen:
+                continue
+            seen.add(reader)
+            op = graph.node(reader).op
+            if op in ops:
+                found.append(reader)
+            elif op in through:
+                nxt.append(reader)
+        frontier = nxt
+    return found
+
+
+def _variable_operand(graph: Graph, node: str) -> str | None:
+    """The variable one of the data inputs of `node` carries, if any."""
+    return next(filter(None, (resolve_variable(graph, src) for src, _ in graph.inputs(node))), None)
 
 
 def _channels(graph: Graph, variable: str | None) -> int | None:

@@ -69,13 +69,13 @@ def group_towers(graph: Graph, sites: list[Site], by: str = "auto", min_towers: 
             f"training batch norm found in only one tower ({where}, told apart by {by}); "
             "bnrewrite needs a graph replicated over 2 or more towers (devices or name scopes)"
         )
-    readers: dict[str, set[str]] = defaultdict(set)
+    readers: dict[str, set[str]] = defaultdict(set)  # variable -> the towers whose sites read it
     for s in sites:
-        if s.scale_var:
-            readers[s.scale_var].add(tower[s.name])
+        for variable in _affine(s):
+            readers[variable].add(tower[s.name])
     buckets: dict[str, list[Site]] = defaultdict(list)
     for s in sites:
-        shared = s.scale_var is not None and len(readers[s.scale_var]) >= 2
+        shared = any(len(readers[variable]) >= 2 for variable in _affine(s))
         key = f"{s.scale_var}|{s.offset_var}" if shared else _strip_tower(s.name)
         buckets[key].append(s)
     order = {name: i for i, name in enumerate(graph.names())}
@@ -96,10 +96,14 @@ def group_towers(graph: Graph, sites: list[Site], by: str = "auto", min_towers: 
     return Towers(tuple(ids), by, tuple(groups), tuple(skips))
 
 
+def _affine(site: Site) -> list[str]:
+    return [v for v in (site.scale_var, site.offset_var) if v is not None]
+
+
 def _layer_name(site: Site, key: str) -> str:
-    if site.scale_var:
-        return site.scale_var.rsplit("/", 1)[0]
-    return key.rsplit("/", 1)[0]
+    """The scope of the layer's variables, else of its (tower-less) node name."""
+    variables = _affine(site)
+    return (variables[0] if variables else key).rsplit("/", 1)[0]
 
 
 def _mismatch(members: list[Site], tower: dict[str, str], ids: list[str]) -> str:
