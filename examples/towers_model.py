@@ -282,19 +282,22 @@ def _cond_batch_norm(x, name, spec: Spec, init, axis):
     shape[axis] = FILTERS
     axes = [a for a in range(4) if a != axis]
 
+    def like_x(t):  # float32 variables meet half-precision data (a no-op for float32)
+        return tf.reshape(tf.cast(t, x.dtype), shape)
+
     def train():
-        batch_mean, batch_var = tf.nn.moments(x, axes)
-        train_mean = tf.compat.v1.assign(pop_mean, pop_mean * BN_MOMENTUM + batch_mean * (1 - BN_MOMENTUM))
-        train_var = tf.compat.v1.assign(pop_var, pop_var * BN_MOMENTUM + batch_var * (1 - BN_MOMENTUM))
+        batch_mean, batch_var = tf.nn.moments(x, axes)  # of x's dtype (computed in float32 for float16)
+        train_mean = tf.compat.v1.assign(
+            pop_mean, pop_mean * BN_MOMENTUM + tf.cast(batch_mean, tf.float32) * (1 - BN_MOMENTUM))
+        train_var = tf.compat.v1.assign(
+            pop_var, pop_var * BN_MOMENTUM + tf.cast(batch_var, tf.float32) * (1 - BN_MOMENTUM))
         with tf.control_dependencies([train_mean, train_var]):
             return tf.nn.batch_normalization(
-                x, tf.reshape(batch_mean, shape), tf.reshape(batch_var, shape),
-                tf.reshape(beta, shape), tf.reshape(gamma, shape), BN_EPSILON)
+                x, tf.reshape(batch_mean, shape), tf.reshape(batch_var, shape), like_x(beta), like_x(gamma), BN_EPSILON)
 
     def evaluate():
         return tf.nn.batch_normalization(
-            x, tf.reshape(pop_mean, shape), tf.reshape(pop_var, shape),
-            tf.reshape(beta, shape), tf.reshape(gamma, shape), BN_EPSILON)
+            x, like_x(pop_mean), like_x(pop_var), like_x(beta), like_x(gamma), BN_EPSILON)
 
     return tf.compat.v1.cond(is_training, train, evaluate)
 

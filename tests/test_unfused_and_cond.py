@@ -5,6 +5,8 @@ branch (is_training=False, the population statistics) must give the reference's 
 and it must never wait on an all-reduce.
 """
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -19,11 +21,15 @@ from models import (
     load_graph,
     make_batches,
     max_rel_error,
+    rel_errors,
     session_config,
+    train,
 )
 
 STEPS = 3
 TOLERANCE = 2e-4
+#: Batch statistics in half precision: rounding of the data's dtype (as in tests/test_oracle.py).
+HALF_TOLERANCE = {"float16": 2e-3, "bfloat16": 2e-2}
 EVAL_TIMEOUT_MS = 20_000
 
 
@@ -100,6 +106,39 @@ def test_unfused_and_cond_train_like_one_device(spec):
                 twin = "tower_0/" + name.split("/", 1)[1]
                 np.testing.assert_allclose(value, expected.variables[twin], rtol=1e-5, atol=1e-6)
         assert not result.report.removed  # per-tower variables: every update stays
+
+
+@pytest.mark.parametrize("layer, dtype, data_format", [
+    ("moments_cond_v1", "float16", "NHWC"),
+    ("moments_cond_v2", "bfloat16", "NCHW"),
+    ("legacy_cond_v2", "float16", "NCHW"),
+    ("legacy_unfused", "bfloat16", "NHWC"),
+])
+def test_half_precision_is_as_close_to_float32_as_one_device(layer, dtype, data_format):
+    """Batch norm in half precision, unfused or under tf.cond.
+
+    Its towers round their partial gradient sums in the data's dtype, so no K-tower graph can
+    equal the one-device graph bit for bit (hand-written moments in bfloat16: momentum slots
+    5e-2 apart), while both are some 6e-2 from the float32 model. What must hold: the
+    rewritten graph is as close to the float32 model as the one-device graph of its dtype is,
+    its moving statistics equal the one-device ones to the dtype's rounding, and the
+    un-rewritten graph is far off.
+    """
+    spec = Spec(towers=2, layer=layer, dtype=dtype, data_format=data_format)
+    data = make_batches(spec, STEPS)
+    truth_ref, one_ref, built = build_reference(replace(spec, dtype="float32")), build_reference(spec), build_towers(spec)
+    truth, one = train(truth_ref.graph, truth_ref, data, num_devices=1), train(one_ref.graph, one_ref, data, num_devices=1)
+    result = rewrite_graph(built.graph, backend="collective")
+    synced = train(result.graph_def, built, data, num_devices=spec.towers)
+    unsynced = train(built.graph, built, data, num_devices=spec.towers)
+    one_off, synced_off, unsynced_off = (max_rel_error(r, truth) for r in (one, synced, unsynced))
+    moving = {q: e for q, e in rel_errors(synced, one).items() if "/pop_" in q or "/moving_" in q}
+    print(f"{layer} {dtype} {data_format}: from float32 one device {one_off:.2e}, synced {synced_off:.2e}, "
+          f"unsynced {unsynced_off:.2e}; moving statistics vs one device {max(moving.values()):.2e}")
+    assert result.report.layers and not result.report.skipped
+    assert synced_off <= 1.1 * one_off
+    assert unsynced_off > 5 * one_off
+    assert max(moving.values()) <= HALF_TOLERANCE[dtype], moving
 
 
 def _v2_graph(body):
