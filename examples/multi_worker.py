@@ -125,6 +125,8 @@ def build_worker(spec, task_index: int, num_workers: int, *, timeout_seconds: fl
 
     graph = tf.Graph()
     with graph.as_default(), tf.device(task_device(task_index)):
+        if spec.layer in tm.COND_LAYERS:
+            tf.compat.v1.placeholder_with_default(True, [], name=tm.IS_TRAINING_NAME)
         opt = tf.compat.v1.train.MomentumOptimizer(tm.LEARNING_RATE, tm.OPTIMIZER_MOMENTUM)
         inputs, tower_losses, tower_grads = [], [], []
         for k in range(local):

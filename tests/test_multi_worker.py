@@ -49,6 +49,21 @@ def test_unsynced_workers_do_not_match(runs):
         assert max_rel_error(got, reference) > 0.1
 
 
+@pytest.mark.parametrize("layer", ["legacy_cond_v2", "moments_cond_v2"])
+def test_workers_with_batch_norm_under_v2_cond(layer):
+    """The all-reduces live in branch functions (forward) and their gradient functions
+    (backward), with keys that must agree across the two workers' graphs."""
+    spec = Spec(towers=4, batch=4, layer=layer)
+    run = mw.launch(spec, STEPS, mw.MODES, num_workers=2, timeout_seconds=20.0, join_timeout=20.0,
+                    run_timeout=40.0, deadline=120.0)
+    ref = build_reference(spec)
+    reference = train(ref.graph, ref, make_batches(spec, STEPS), num_devices=1)
+    synced, unsynced = mw.as_result(run.results, "synced"), mw.as_result({0: run.results[0]}, "unsynced")
+    assert max_rel_error(unsynced, reference) > 0.1
+    assert max_rel_error(synced, reference) < TOLERANCE, rel_errors(synced, reference)
+    assert max_rel_error(mw.as_result({0: run.results[1]}, "synced"), synced) < 1e-6
+
+
 @pytest.mark.parametrize(
     "task, says",
     [(0, "timed out"), (1, "leader")],

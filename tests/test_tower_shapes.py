@@ -200,7 +200,7 @@ def test_nan_counts_as_mismatch():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layer", ["legacy", "fused_op"])
+@pytest.mark.parametrize("layer", ["legacy", "fused_op", "legacy_cond_v1", "legacy_cond_v2"])
 def test_sync_groups_train_like_devices_with_the_group_batch(layer):
     """K=4, group_size=2 is 2 un-rewritten devices with 2*B examples each.
 
