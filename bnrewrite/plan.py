@@ -62,8 +62,9 @@ class Plan:
 
 
 def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
+    sites = [replace(s, updates=find_updates(graph, s.statistics)) for s in census.sites]  # grouping reads them
     try:
-        towers = group_towers(graph, census.sites, options.tower_by, min_towers=1 if options.num_workers > 1 else 2)
+        towers = group_towers(graph, sites, options.tower_by, min_towers=1 if options.num_workers > 1 else 2)
     except (NoTowersError, TowerMismatchError) as exc:
         if not census.skips:
             raise
@@ -81,8 +82,4 @@ def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
     sync_groups = tuple(towers.ids[i:i + size] for i in range(0, len(towers.ids), size))
     devices = [site.device for site in towers.groups[0].sites]
     backend = choose_backend(options.backend, devices, options.num_workers)
-    groups = tuple(
-        LayerGroup(g.key, tuple(replace(s, updates=find_updates(graph, s.statistics)) for s in g.sites))
-        for g in towers.groups
-    )
-    return Plan(replace(towers, groups=groups), backend, sync_groups, options)
+    return Plan(towers, backend, sync_groups, options)

@@ -17,14 +17,15 @@ It builds:
 Tower shapes (Spec fields; the defaults build the graphs above, node for node):
 
 * ``tower_prefix``: tower k's name scope is ``f"{tower_prefix}{k}"``
-  (``replica_``, ``clone_``, nested ``model/tower_``...); ``""`` opens no name scope at all, so the towers
-  differ only by device and TensorFlow uniquifies their op names (``net/...``,
+  (``replica_``, ``clone_``, nested ``model/tower_``...); ``""`` opens no name
+  scope at all, so the towers differ only by device and TensorFlow uniquifies their op names (``net/...``,
   ``net_1/...``; the tower losses are then ``tower_loss``, ``tower_loss_1``...).
 * ``uneven``: placeholders with a dynamic batch dimension and
   ``loss_k = reduce_sum(xent_k) * K / N``, N the float placeholder_with_default
   ``global_batch`` (default K*B) that ``train`` feeds with the step's example
   count; ``train(..., splits=...)`` then gives towers any sizes, 0 included.
 * ``tower0_updates_only``: ``train_op`` groups tower 0's UPDATE_OPS only.
+* ``affine=False``: legacy layers without gamma and beta (``center=False, scale=False``).
 
 Model per tower: images -> conv3x3(8) -> BN -> relu -> conv3x3(8) -> BN ->
 relu -> global average pool -> dense(4) -> sparse softmax cross entropy (mean).
@@ -137,6 +138,9 @@ class Spec:
     #: train_op groups only tower 0's UPDATE_OPS (the moving-statistics updates) instead of
     #: every tower's. Used for references whose moving statistics are those of device 0 only.
     tower0_updates_only: bool = False
+    #: Legacy layers only: False builds them with center=False, scale=False (no gamma or beta:
+    #: the layer's only variables are its moving statistics).
+    affine: bool = True
 
     def __post_init__(self):
         if self.layer not in LAYERS:
@@ -149,6 +153,8 @@ class Spec:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.towers < 1 or self.batch < 1 or self.image < 1 or self.channels < 1:
             raise ValueError(f"towers, batch, image, channels must be >= 1: {self}")
+        if not self.affine and not self.layer.startswith("legacy"):
+            raise ValueError(f"affine=False needs a legacy layer, got {self.layer!r}")
         if self.tower_prefix.startswith("/") or self.tower_prefix.endswith("/"):
             raise ValueError(f"tower_prefix must be a name scope prefix, got {self.tower_prefix!r}")
 
@@ -235,6 +241,7 @@ def _batch_norm(x, name, spec: Spec, init):
                 x, axis=axis, momentum=BN_MOMENTUM, epsilon=BN_EPSILON,
                 gamma_initializer=_const_init(init[f"{name}/gamma"]),
                 beta_initializer=_const_init(init[f"{name}/beta"]),
+                center=spec.affine, scale=spec.affine,
                 training=_is_training() if spec.layer.startswith("legacy_cond") else True,
                 fused=spec.layer != "legacy_unfused", name=name)
     # fused_op

@@ -109,6 +109,16 @@ def test_towers_inside_an_outer_scope(layer):
         assert [site.split("/")[:2] for site in row.sites] == [["model", "tower_0"], ["model", "tower_1"]]
 
 
+@pytest.mark.parametrize("layer", ["legacy", "legacy_unfused"])
+def test_towers_inside_an_outer_scope_without_gamma_or_beta(layer):
+    """center=False, scale=False: the layer reads no variable; the moving statistics that every
+    tower updates are what lines its copies up."""
+    spec = Spec(towers=3, layer=layer, tower_prefix="model/tower_", affine=False)
+    report = check_oracle(f"outer-scope-no-affine-{layer}", spec)
+    assert [row.layer for row in report.layers] == BN_LAYERS
+    assert all(len(row.sites) == 3 and len(row.updates_kept) == 2 for row in report.layers)
+
+
 @pytest.mark.parametrize("prefix, k", [("clone_", 3), ("", 2)], ids=["clone", "no-prefix"])
 def test_scope_grouping_asked_for(prefix, k):
     """tower_by="scope" on a graph whose towers also sit on devices: the top name scope decides,

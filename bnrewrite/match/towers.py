@@ -1,8 +1,9 @@
 """Telling towers apart and lining up the copies of each batch-norm layer across them.
 
 A tower is what the graph shows: the device a site runs on when sites span several devices,
-else the top name scope. A layer is what its copies share: the variables they read when
-those are shared, else the node name with the tower's part taken out.
+else the top name scope. A layer is what its copies share: the variables they read (scale,
+offset) or write (moving averages) when the towers share those, else the node name with the
+tower's part taken out.
 """
 
 from __future__ import annotations
@@ -69,15 +70,16 @@ def group_towers(graph: Graph, sites: list[Site], by: str = "auto", min_towers: 
             f"training batch norm found in only one tower ({where}, told apart by {by}); "
             "bnrewrite needs a graph replicated over 2 or more towers (devices or name scopes)"
         )
-    readers: dict[str, set[str]] = defaultdict(set)  # variable -> the towers whose sites read it
+    users: dict[str, set[str]] = defaultdict(set)  # variable -> the towers whose sites use it
     for s in sites:
-        for variable in _affine(s):
-            readers[variable].add(tower[s.name])
+        for variable in _variables(s):
+            users[variable].add(tower[s.name])
     buckets: dict[str, list[Site]] = defaultdict(list)
     for s in sites:
-        shared = any(len(readers[variable]) >= 2 for variable in _affine(s))
-        key = f"{s.scale_var}|{s.offset_var}" if shared else _strip_tower(s.name)
-        buckets[key].append(s)
+        # A variable every tower uses names the layer (one tower's own variables, or updates
+        # that some towers lack, would split it); none: the name without the tower's part.
+        shared = [variable for variable in _variables(s) if len(users[variable]) == len(ids)]
+        buckets["|".join(shared) if shared else _strip_tower(s.name)].append(s)
     order = {name: i for i, name in enumerate(graph.names())}
     groups, skips = [], []
     for key, members in buckets.items():
@@ -86,7 +88,7 @@ def group_towers(graph: Graph, sites: list[Site], by: str = "auto", min_towers: 
             skips.extend(Skip(s.name, reason) for s in members)
             continue
         members.sort(key=lambda s: ids.index(tower[s.name]))
-        groups.append(LayerGroup(_layer_name(members[0], key), tuple(members)))
+        groups.append(LayerGroup(_layer_name(key), tuple(members)))
     groups.sort(key=lambda g: order[g.sites[0].name])
     if not groups:
         raise TowerMismatchError(
@@ -96,14 +98,14 @@ def group_towers(graph: Graph, sites: list[Site], by: str = "auto", min_towers: 
     return Towers(tuple(ids), by, tuple(groups), tuple(skips))
 
 
-def _affine(site: Site) -> list[str]:
-    return [v for v in (site.scale_var, site.offset_var) if v is not None]
+def _variables(site: Site) -> list[str]:
+    """The variables a site reads as scale and offset, then those its statistics update."""
+    return [v for v in (site.scale_var, site.offset_var) if v is not None] + sorted({u.variable for u in site.updates})
 
 
-def _layer_name(site: Site, key: str) -> str:
-    """The scope of the layer's variables, else of its (tower-less) node name."""
-    variables = _affine(site)
-    return (variables[0] if variables else key).rsplit("/", 1)[0]
+def _layer_name(key: str) -> str:
+    """The scope of the first shared variable in a group's key, else of its (tower-less) node name."""
+    return key.split("|", 1)[0].rsplit("/", 1)[0]
 
 
 def _mismatch(members: list[Site], tower: dict[str, str], ids: list[str]) -> str:
