@@ -1,0 +1,124 @@
+"""A residual block, against the one-device oracle: batch-norm layers that run side by side.
+
+The main branch (conv-BN-relu-conv-BN) and the projection shortcut (conv1x1-BN) of a ResNet
+block do not depend on each other, so each tower may reach their all-reduces in either
+order; the rewrite chains them in one order on every device. Built with tf_keras's legacy
+layers (fused and unfused), towers in `tower_k` scopes on `/cpu:k`, variables shared.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from bnrewrite import rewrite_graph
+from bnrewrite.collectives import COLLECTIVE_OPS
+from models import Built, max_rel_error, rel_errors, train
+
+tf1 = tf.compat.v1
+IMAGE, CHANNELS, CLASSES, STEPS = 6, 3, 4, 3
+#: (layer, input channels, output channels, kernel size) of every convolution.
+CONVS = [("stem", CHANNELS, 8, 3), ("a1", 8, 8, 3), ("a2", 8, 16, 3), ("proj", 8, 16, 1)]
+BN_LAYERS = ["net/stem_bn", "net/a1_bn", "net/a2_bn", "net/proj_bn"]
+
+
+def _initial(name: str, shape: tuple) -> np.ndarray:
+    rng = np.random.default_rng(sum(map(ord, name)))
+    return (rng.normal(size=shape) / np.sqrt(np.prod(shape[:-1]))).astype(np.float32)
+
+
+def _logits(x, fused: bool):
+    from tf_keras.src.legacy_tf_layers import convolutional, core, normalization
+
+    def conv_bn(h, name, relu=True):
+        _, c_in, c_out, size = next(c for c in CONVS if c[0] == name)
+        h = convolutional.conv2d(h, c_out, size, padding="same", use_bias=False, name=name,
+                                 kernel_initializer=tf1.constant_initializer(_initial(name, (size, size, c_in, c_out))))
+        h = normalization.batch_normalization(h, training=True, fused=fused, momentum=0.9, name=f"{name}_bn")
+        return tf.nn.relu(h) if relu else h
+
+    with warnings.catch_warnings(), tf1.variable_scope("net", reuse=tf1.AUTO_REUSE):
+        warnings.simplefilter("ignore")
+        h = conv_bn(x, "stem")
+        main = conv_bn(conv_bn(h, "a1"), "a2", relu=False)
+        h = tf.nn.relu(main + conv_bn(h, "proj", relu=False))
+        return core.dense(tf.reduce_mean(h, [1, 2]), CLASSES, name="dense",
+                          kernel_initializer=tf1.constant_initializer(_initial("dense", (16, CLASSES))))
+
+
+def _build(towers: int, batch: int, fused: bool, device: str = "cpu") -> Built:
+    graph = tf.Graph()
+    with graph.as_default():
+        opt = tf1.train.MomentumOptimizer(0.1, 0.9)
+        inputs, losses, grads = [], [], []
+        for k in range(towers):
+            with tf.device(f"/{device}:{k}"), tf.name_scope(f"tower_{k}"):
+                images = tf1.placeholder(tf.float32, [batch, IMAGE, IMAGE, CHANNELS], name="images")
+                labels = tf1.placeholder(tf.int32, [batch], name="labels")
+                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                    labels=labels, logits=_logits(images, fused)), name="loss")
+                grads.append(opt.compute_gradients(loss))
+            inputs.append((images.name, labels.name))
+            losses.append(loss)
+        with tf.device(f"/{device}:0"):
+            averaged = [(tf.add_n([g for g, _ in per_var]) / towers, per_var[0][1]) for per_var in zip(*grads)]
+            loss = tf.identity(tf.add_n(losses) / towers, name="total_loss")
+        train_op = tf.group(opt.apply_gradients(averaged), *tf1.get_collection(tf1.GraphKeys.UPDATE_OPS), name="train_op")
+        init = tf1.global_variables_initializer()
+        with tf.name_scope("readout"):
+            variables = {v.op.name: v.value().name for v in tf1.global_variables()}
+    return Built(graph=graph, train_op=train_op.name, loss=loss.name, inputs=inputs, init=init.name, variables=variables)
+
+
+def _batches(towers: int, batch: int) -> list:
+    rng = np.random.default_rng(7)
+    n = towers * batch
+    # Towers see differently scaled images, so per-tower statistics are far from the global ones.
+    scale = np.repeat(1.0 + np.arange(towers), batch)[:, None, None, None]
+    return [((rng.normal(size=(n, IMAGE, IMAGE, CHANNELS)) * scale).astype(np.float32),
+             rng.integers(0, CLASSES, n).astype(np.int32)) for _ in range(STEPS)]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_residual_block_trains_like_one_device(fused):
+    k, b = 3, 2
+    built = _build(k, b, fused)
+    result = rewrite_graph(built.graph, backend="collective")
+    assert [row.layer for row in result.report.layers] == BN_LAYERS and not result.report.skipped
+    data = _batches(k, b)
+    ref = _build(1, k * b, fused)
+    expected = train(ref.graph, ref, data, num_devices=1)
+    synced = train(result.graph_def, built, data, num_devices=k)
+    unsynced = train(built.graph, built, data, num_devices=k)
+    error, off = max_rel_error(synced, expected), max_rel_error(unsynced, expected)
+    print(f"residual {'fused' if fused else 'unfused'} K={k}: synced {error:.2e}, unsynced {off:.2e}")
+    assert off > 1e-2
+    assert error <= 2e-4, rel_errors(synced, expected)
+
+
+def test_parallel_layers_all_reduce_in_one_order_on_every_tower():
+    """NCCL towers: each device's all-reduces form one chain of control edges, and the layers
+    (and phases) come in the same order on every device."""
+    graph_def = rewrite_graph(_build(2, 2, fused=True, device="gpu").graph, backend="nccl").graph_def  # built, never run
+    nodes = {n.name: n for n in graph_def.node}
+    collectives = [n for n in graph_def.node if n.op in COLLECTIVE_OPS]
+    per_device: dict[str, list] = {}
+    for node in collectives:
+        per_device.setdefault(node.device, []).append(node)
+    orders = []
+    for device, members in per_device.items():
+        names = {n.name for n in members}
+        successor = {}
+        for node in members:
+            for spec in node.input:
+                if spec.startswith("^") and spec[1:] in names:
+                    successor[spec[1:]] = node.name
+        first = [n.name for n in members if n.name not in successor.values()]
+        assert len(first) == 1, (device, first)
+        chain = [first[0]]
+        while chain[-1] in successor:
+            chain.append(successor[chain[-1]])
+        assert len(chain) == len(members) == 2 * len(BN_LAYERS), device
+        orders.append([nodes[name].attr["shared_name"].s for name in chain])
+    assert len(orders) == 2 and orders[0] == orders[1]
