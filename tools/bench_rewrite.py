@@ -158,15 +158,14 @@ def print_work(rows: list[dict]) -> None:
     print("\n== work of one rewrite (Python function calls, counted by cProfile: the same on any machine) ==")
     matrix = np.array([[r["nodes"], r["sites"]] for r in rows], dtype=float)
     calls = np.array([r["calls"] for r in rows], dtype=float)
-    (per_node, per_site), *_ = np.linalg.lstsq(matrix, calls, rcond=None)
-    fitted = matrix @ [per_node, per_site]
-    _table(("towers", "layers", "nodes", "BN sites", "calls", "calls/node", "fit error"), [(
-        r["towers"], r["layers"], r["nodes"], r["sites"], r["calls"], f"{r['calls'] / r['nodes']:.1f}",
-        f"{(r['calls'] - f) / f:+.1%}",
-    ) for r, f in zip(rows, fitted)])
-    print(f"calls = {per_node:.1f} x nodes + {per_site:.0f} x BN sites fits every graph within "
-          f"{np.max(np.abs(calls - fitted) / fitted):.1%}: the work is linear in nodes and sites; "
-          f"{per_site * matrix[:, 1].sum() / fitted.sum():.0%} of it is per site")
+    _table(("towers", "layers", "nodes", "BN sites", "calls", "calls/node"), [
+        (r["towers"], r["layers"], r["nodes"], r["sites"], r["calls"], f"{r['calls'] / r['nodes']:.1f}") for r in rows])
+    if len(rows) >= 3 and np.linalg.matrix_rank(matrix) == 2:  # else nodes and sites cannot be told apart
+        (per_node, per_site), *_ = np.linalg.lstsq(matrix, calls, rcond=None)
+        fitted = matrix @ [per_node, per_site]
+        print(f"calls = {per_node:.1f} x nodes + {per_site:.0f} x BN sites fits every graph within "
+              f"{np.max(np.abs(calls - fitted) / fitted):.1%}: the work is linear in nodes and sites; "
+              f"{per_site * matrix[:, 1].sum() / fitted.sum():.0%} of it is per site")
     by_towers: dict[int, list[dict]] = {}
     for r in rows:
         by_towers.setdefault(r["towers"], []).append(r)
