@@ -3,7 +3,8 @@
 The main branch (conv-BN-relu-conv-BN) and the projection shortcut (conv1x1-BN) of a ResNet
 block do not depend on each other, so each tower may reach their all-reduces in either
 order; the rewrite chains them in one order on every device. Built with tf_keras's legacy
-layers (fused and unfused), towers in `tower_k` scopes on `/cpu:k`, variables shared.
+layers (fused, unfused, and batch renormalization), towers in `tower_k` scopes on `/cpu:k`,
+variables shared.
 """
 
 import warnings
@@ -28,14 +29,15 @@ def _initial(name: str, shape: tuple) -> np.ndarray:
     return (rng.normal(size=shape) / np.sqrt(np.prod(shape[:-1]))).astype(np.float32)
 
 
-def _logits(x, fused: bool):
+def _logits(x, kind: str):
     from tf_keras.src.legacy_tf_layers import convolutional, core, normalization
 
     def conv_bn(h, name, relu=True):
         _, c_in, c_out, size = next(c for c in CONVS if c[0] == name)
         h = convolutional.conv2d(h, c_out, size, padding="same", use_bias=False, name=name,
                                  kernel_initializer=tf1.constant_initializer(_initial(name, (size, size, c_in, c_out))))
-        h = normalization.batch_normalization(h, training=True, fused=fused, momentum=0.9, name=f"{name}_bn")
+        h = normalization.batch_normalization(h, training=True, fused=kind == "fused", renorm=kind == "renorm",
+                                              momentum=0.9, name=f"{name}_bn")
         return tf.nn.relu(h) if relu else h
 
     with warnings.catch_warnings(), tf1.variable_scope("net", reuse=tf1.AUTO_REUSE):
@@ -47,7 +49,7 @@ def _logits(x, fused: bool):
                           kernel_initializer=tf1.constant_initializer(_initial("dense", (16, CLASSES))))
 
 
-def _build(towers: int, batch: int, fused: bool, device: str = "cpu") -> Built:
+def _build(towers: int, batch: int, kind: str, device: str = "cpu") -> Built:
     graph = tf.Graph()
     with graph.as_default():
         opt = tf1.train.MomentumOptimizer(0.1, 0.9)
@@ -57,7 +59,7 @@ def _build(towers: int, batch: int, fused: bool, device: str = "cpu") -> Built:
                 images = tf1.placeholder(tf.float32, [batch, IMAGE, IMAGE, CHANNELS], name="images")
                 labels = tf1.placeholder(tf.int32, [batch], name="labels")
                 loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-                    labels=labels, logits=_logits(images, fused)), name="loss")
+                    labels=labels, logits=_logits(images, kind)), name="loss")
                 grads.append(opt.compute_gradients(loss))
             inputs.append((images.name, labels.name))
             losses.append(loss)
@@ -80,27 +82,44 @@ def _batches(towers: int, batch: int) -> list:
              rng.integers(0, CLASSES, n).astype(np.int32)) for _ in range(STEPS)]
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
-def test_residual_block_trains_like_one_device(fused):
+@pytest.mark.parametrize("kind", ["fused", "unfused", "renorm"])
+def test_residual_block_trains_like_one_device(kind):
+    """renorm: batch renormalization (unfused), whose r and d read the renorm_mean and
+    renorm_stddev it then updates, and whose moving_variance is set from moving_stddev once
+    that is updated: one update of each per step, after every tower has read them."""
     k, b = 3, 2
-    built = _build(k, b, fused)
+    built = _build(k, b, kind)
     result = rewrite_graph(built.graph, backend="collective")
     assert [row.layer for row in result.report.layers] == BN_LAYERS and not result.report.skipped
+    statistics = {"moving_mean", "moving_variance"} | ({"renorm_mean", "renorm_stddev", "moving_stddev"} if kind == "renorm" else set())
+    for row in result.report.layers:
+        assert sorted(_written(row, built)) == sorted(statistics)
+    if kind == "renorm":  # the kept update of renorm_mean and renorm_stddev waits for every tower's read
+        out = {n.name: n for n in result.graph_def.node}
+        for update in (u for row in result.report.layers for u in row.updates_kept if "/renorm_" in out[u].input[0]):
+            reads = [c[1:] for c in out[update].input if c.startswith("^") and out[c[1:]].op == "ReadVariableOp"]
+            assert {read.split("/", 1)[0] for read in reads} == {f"tower_{i}" for i in range(k)}, update
     data = _batches(k, b)
-    ref = _build(1, k * b, fused)
+    ref = _build(1, k * b, kind)
     expected = train(ref.graph, ref, data, num_devices=1)
     synced = train(result.graph_def, built, data, num_devices=k)
     unsynced = train(built.graph, built, data, num_devices=k)
     error, off = max_rel_error(synced, expected), max_rel_error(unsynced, expected)
-    print(f"residual {'fused' if fused else 'unfused'} K={k}: synced {error:.2e}, unsynced {off:.2e}")
+    print(f"residual {kind} K={k}: synced {error:.2e}, unsynced {off:.2e}")
     assert off > 1e-2
     assert error <= 2e-4, rel_errors(synced, expected)
+
+
+def _written(row, built: Built) -> list[str]:
+    """The variables the layer's kept updates write (last part of the name)."""
+    nodes = {n.name: n for n in built.graph.as_graph_def().node}
+    return [nodes[update].input[0].rsplit("/", 1)[1] for update in row.updates_kept]
 
 
 def test_parallel_layers_all_reduce_in_one_order_on_every_tower():
     """NCCL towers: each device's all-reduces form one chain of control edges, and the layers
     (and phases) come in the same order on every device."""
-    graph_def = rewrite_graph(_build(2, 2, fused=True, device="gpu").graph, backend="nccl").graph_def  # built, never run
+    graph_def = rewrite_graph(_build(2, 2, "fused", device="gpu").graph, backend="nccl").graph_def  # built, never run
     nodes = {n.name: n for n in graph_def.node}
     collectives = [n for n in graph_def.node if n.op in COLLECTIVE_OPS]
     per_device: dict[str, list] = {}

@@ -8,31 +8,45 @@ from bnrewrite.match.sites import Update, resolve_variable
 ASSIGN_OPS = frozenset({
     "AssignSubVariableOp", "AssignVariableOp", "AssignAddVariableOp", "AssignSub", "Assign", "AssignAdd",
 })
-#: Elementwise ops a statistic passes through on its way into an update (momentum arithmetic).
+#: Elementwise ops a statistic passes through on its way into an update (momentum arithmetic;
+#: batch renormalization's standard deviations: Sqrt, and Relu(stddev^2 - epsilon)).
 _ARITHMETIC = frozenset({
     "Identity", "Sub", "Mul", "Add", "AddV2", "Cast", "RealDiv", "Div", "Neg", "StopGradient",
-    "Reshape", "Squeeze", "Maximum", "Minimum", "Switch", "Merge",
+    "Reshape", "Squeeze", "Maximum", "Minimum", "Switch", "Merge", "Sqrt", "Relu",
 })
 _MAX_DEPTH = 8
 
 
 def find_updates(graph: Graph, statistics: list[tuple[str, int, str]]) -> tuple[Update, ...]:
-    """Assign ops whose value depends on the (node, output, statistic name) tensors given."""
+    """Assign ops whose value depends on the (node, output, statistic name) tensors given,
+    also through the value an update leaves (a read that waits on it): batch renormalization
+    sets moving_variance from moving_stddev once that is updated."""
     found: dict[str, Update] = {}
     for site, output, statistic in statistics:
-        frontier = [(site, output)]
-        seen: set[str] = set()
-        for _ in range(_MAX_DEPTH):
-            nxt = []
-            for node, out in frontier:
-                for edge in graph.consumers_of(node, out):
-                    consumer = graph.node(edge.consumer)
-                    if consumer.op in ASSIGN_OPS and edge.slot == 1:
-                        variable = resolve_variable(graph, graph.producer(consumer.name, 0)[0])
-                        if variable is not None and consumer.name not in found:
-                            found[consumer.name] = Update(consumer.name, variable, statistic)
-                    elif consumer.op in _ARITHMETIC and consumer.name not in seen:
-                        seen.add(consumer.name)
-                        nxt.extend((consumer.name, i) for i in range(2 if consumer.op == "Switch" else 1))
-            frontier = nxt
+        starts = [(site, output)]
+        while starts:
+            new = _updates_from(graph, starts, statistic, found)
+            starts = [(read, 0) for update in new for read in graph.consumers.get(update, ())
+                      if graph.node(read).op == "ReadVariableOp" and f"^{update}" in graph.node(read).input]
     return tuple(sorted(found.values(), key=lambda u: u.node))
+
+
+def _updates_from(graph: Graph, starts: list[tuple[str, int]], statistic: str, found: dict[str, Update]) -> list[str]:
+    """Add to `found` the assign ops a few elementwise ops away from `starts`; the new ones."""
+    new = []
+    frontier, seen = starts, set()
+    for _ in range(_MAX_DEPTH):
+        nxt = []
+        for node, out in frontier:
+            for edge in graph.consumers_of(node, out):
+                consumer = graph.node(edge.consumer)
+                if consumer.op in ASSIGN_OPS and edge.slot == 1:
+                    variable = resolve_variable(graph, graph.producer(consumer.name, 0)[0])
+                    if variable is not None and consumer.name not in found:
+                        found[consumer.name] = Update(consumer.name, variable, statistic)
+                        new.append(consumer.name)
+                elif consumer.op in _ARITHMETIC and consumer.name not in seen:
+                    seen.add(consumer.name)
+                    nxt.extend((consumer.name, i) for i in range(2 if consumer.op == "Switch" else 1))
+        frontier = nxt
+    return new

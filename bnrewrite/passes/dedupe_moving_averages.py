@@ -6,6 +6,11 @@ other K-1 are removed, together with the arithmetic that only fed them and the r
 only waited on them. Control edges to removed ops are dropped (e.g. `tf.group` of all
 towers' UPDATE_OPS); a data edge is moved to the kept update of the same variable. Towers
 that own their own copy of a statistic keep their update: each copy gets the global value.
+
+A layer that reads the variable it updates (batch renormalization's r and d read
+renorm_mean and renorm_stddev) makes its own update wait for its reads; the kept update
+now stands for every tower, so it waits for every tower's reads of the variable, and each
+tower reads the value from before the step's update, as one device does.
 """
 
 from __future__ import annotations
@@ -42,10 +47,42 @@ def dedupe_moving_averages(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]
         return graph, record
     editor = graph.edit()
     _rewire_consumers(graph, editor, doomed, keeper)
-    for name, why in _with_exclusive_ancestors(graph, doomed).items():
+    removed = _with_exclusive_ancestors(graph, doomed)
+    for name, why in removed.items():
         editor.remove(name)
         record.removed.append((name, why))
+    for variable, nodes in writers.items():
+        if len(nodes) > 1:
+            record.control_edges += _wait_for_reads(graph, editor, variable, nodes[0], removed)
     return editor.finish(), record
+
+
+def _wait_for_reads(graph: Graph, editor: Editor, variable: str, kept: str, removed: dict[str, str]) -> int:
+    """Make `kept` wait for the reads of `variable` that something uses; how many.
+
+    Only plain reads (`ReadVariableOp(variable)`, no other input): they depend on nothing, so
+    waiting for them can neither close a cycle nor (under v1 conditionals) inherit a dead
+    branch. Reads the update already computes its value from need no edge.
+    """
+    own = _value_inputs(graph, kept)
+    waits = [
+        f"^{read}" for read in graph.consumers.get(variable, ())
+        if read not in removed and read not in own and graph.consumers.get(read)
+        and graph.node(read).op == "ReadVariableOp" and list(graph.node(read).input) == [variable]
+    ]
+    if waits:
+        editor.mutable(kept).input.extend(waits)
+    return len(waits)
+
+
+def _value_inputs(graph: Graph, name: str, depth: int = 8) -> set[str]:
+    """The nodes a few data edges above `name`."""
+    found: set[str] = set()
+    frontier = [name]
+    for _ in range(depth):
+        frontier = [src for node in frontier for src, _ in graph.inputs(node) if src not in found]
+        found.update(frontier)
+    return found
 
 
 def _rewire_consumers(graph: Graph, editor: Editor, doomed: dict[str, str], keeper: dict[str, str]) -> None:
