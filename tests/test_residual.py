@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from bnrewrite import rewrite_graph
+from bnrewrite import NoBatchNormError, rewrite_graph
 from bnrewrite.collectives import COLLECTIVE_OPS
 from models import Built, max_rel_error, rel_errors, train
 
@@ -29,14 +29,15 @@ def _initial(name: str, shape: tuple) -> np.ndarray:
     return (rng.normal(size=shape) / np.sqrt(np.prod(shape[:-1]))).astype(np.float32)
 
 
-def _logits(x, kind: str):
+def _logits(x, kind: str, ghost: tuple[str, ...]):
     from tf_keras.src.legacy_tf_layers import convolutional, core, normalization
 
     def conv_bn(h, name, relu=True):
         _, c_in, c_out, size = next(c for c in CONVS if c[0] == name)
         h = convolutional.conv2d(h, c_out, size, padding="same", use_bias=False, name=name,
                                  kernel_initializer=tf1.constant_initializer(_initial(name, (size, size, c_in, c_out))))
-        h = normalization.batch_normalization(h, training=True, fused=kind == "fused", renorm=kind == "renorm",
+        h = normalization.batch_normalization(h, training=True, fused=kind == "fused" and name not in ghost,
+                                              renorm=kind == "renorm", virtual_batch_size=2 if name in ghost else None,
                                               momentum=0.9, name=f"{name}_bn")
         return tf.nn.relu(h) if relu else h
 
@@ -49,7 +50,8 @@ def _logits(x, kind: str):
                           kernel_initializer=tf1.constant_initializer(_initial("dense", (16, CLASSES))))
 
 
-def _build(towers: int, batch: int, kind: str, device: str = "cpu") -> Built:
+def _build(towers: int, batch: int, kind: str, device: str = "cpu", ghost: tuple[str, ...] = ()) -> Built:
+    """ghost: the convolutions whose batch norm uses virtual batches of 2 (ghost batch norm)."""
     graph = tf.Graph()
     with graph.as_default():
         opt = tf1.train.MomentumOptimizer(0.1, 0.9)
@@ -59,7 +61,7 @@ def _build(towers: int, batch: int, kind: str, device: str = "cpu") -> Built:
                 images = tf1.placeholder(tf.float32, [batch, IMAGE, IMAGE, CHANNELS], name="images")
                 labels = tf1.placeholder(tf.int32, [batch], name="labels")
                 loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-                    labels=labels, logits=_logits(images, kind)), name="loss")
+                    labels=labels, logits=_logits(images, kind, ghost)), name="loss")
                 grads.append(opt.compute_gradients(loss))
             inputs.append((images.name, labels.name))
             losses.append(loss)
@@ -141,3 +143,15 @@ def test_parallel_layers_all_reduce_in_one_order_on_every_tower():
         assert len(chain) == len(members) == 2 * len(BN_LAYERS), device
         orders.append([nodes[name].attr["shared_name"].s for name in chain])
     assert len(orders) == 2 and orders[0] == orders[1]
+
+
+def test_ghost_batch_norm_is_reported_not_synchronized():
+    """virtual_batch_size normalizes each virtual batch with its own statistics on purpose (and
+    one device would split its batch into other virtual batches): such a layer is left as it
+    is, with the reason; the others are synchronized."""
+    result = rewrite_graph(_build(2, 4, "unfused", ghost=("proj",)).graph, backend="collective")
+    assert [row.layer for row in result.report.layers] == [n for n in BN_LAYERS if n != "net/proj_bn"]
+    skipped = result.report.skipped
+    assert len(skipped) == 2 and all("proj_bn" in s["node"] and "virtual_batch_size=2" in s["reason"] for s in skipped)
+    with pytest.raises(NoBatchNormError, match="ghost batch normalization"):
+        rewrite_graph(_build(2, 4, "unfused", ghost=("stem", "a1", "a2", "proj")).graph)

@@ -250,6 +250,10 @@ def _moments_site(graph: Graph, variance: object, gradient_reshapes: dict[str, l
     mean_node = graph.node(mean)
     if mean_node.op != "Mean" or graph.producer(mean, 0) != (x, x_out):
         return None, ""
+    ghost = _ghost_batch_size(graph, x)
+    if ghost:
+        return None, (f"ghost batch normalization (virtual_batch_size={ghost}) normalizes sub-batches of {ghost} "
+                      "examples on purpose; not synchronized, this layer keeps per-tower statistics")
     axes = _const_value(graph, graph.producer(mean, 1)[0])
     if axes is None or not np.array_equal(axes, _const_value(graph, graph.producer(variance.name, 1)[0])):  # type: ignore[attr-defined]
         return None, f"moments of {mean} over axes that are not constant, or differ for mean and variance"
@@ -281,6 +285,22 @@ def _moments_site(graph: Graph, variance: object, gradient_reshapes: dict[str, l
         variance_grads=tuple(variance_grads),
     )
     return site, ""
+
+
+def _ghost_batch_size(graph: Graph, x: str) -> int | None:
+    """V when `x` is the batch split into virtual batches, Reshape(inputs, concat([V, -1],
+    shape[1:])), as Keras's virtual_batch_size does (moments then run per virtual batch)."""
+    while graph.node(x).op in ("Identity", "Cast"):
+        x = graph.producer(x, 0)[0]
+    if graph.node(x).op != "Reshape":
+        return None
+    shape = graph.producer(x, 1)[0]
+    if graph.node(shape).op != "ConcatV2":
+        return None
+    head = _const_value(graph, graph.producer(shape, 0)[0])
+    if head is None or np.shape(head) != (2,) or head[1] != -1 or head[0] < 1:
+        return None
+    return int(head[0])
 
 
 def _affine_variables(graph: Graph, variance: str) -> tuple[str | None, str | None]:
