@@ -232,11 +232,16 @@ class Graph:
             )
         return self._consumers
 
-    def consumers_of(self, name: str, output: int | None = None) -> list[Edge]:
-        """Edges reading `name` (any output, or only `output`; -1 selects control edges)."""
+    def consumers_of(self, name: str, output: int | None = None, ops: frozenset[str] | None = None) -> list[Edge]:
+        """Edges reading `name` (any output, or only `output`; -1 selects control edges), from
+        readers of `ops` only if given: the others' inputs, which can be thousands (a train_op
+        waiting on every update), are then not scanned."""
         edges = []
         for consumer in self.consumers.get(name, ()):
-            for slot, spec in enumerate(self.node(consumer).input):
+            node = self.node(consumer)
+            if ops is not None and node.op not in ops:
+                continue
+            for slot, spec in enumerate(node.input):
                 src, out = parse_input(spec)
                 if src == name and (output is None or out == output):
                     edges.append(Edge(consumer, -1 if out < 0 else slot, out))

@@ -15,19 +15,22 @@ _ARITHMETIC = frozenset({
     "Reshape", "Squeeze", "Maximum", "Minimum", "Switch", "Merge", "Sqrt", "Relu",
 })
 _MAX_DEPTH = 8
+_FOLLOWED = ASSIGN_OPS | _ARITHMETIC
 
 
 def find_updates(graph: Graph, statistics: list[tuple[str, int, str]]) -> tuple[Update, ...]:
     """Assign ops whose value depends on the (node, output, statistic name) tensors given,
-    also through the value an update leaves (a read that waits on it): batch renormalization
-    sets moving_variance from moving_stddev once that is updated."""
+    also through the value an update leaves (the output of a ref-variable assign, or a read
+    that waits on a resource-variable assign): batch renormalization sets moving_variance from
+    moving_stddev once that is updated."""
     found: dict[str, Update] = {}
     for site, output, statistic in statistics:
         starts = [(site, output)]
         while starts:
             new = _updates_from(graph, starts, statistic, found)
-            starts = [(read, 0) for update in new for read in graph.consumers.get(update, ())
-                      if graph.node(read).op == "ReadVariableOp" and f"^{update}" in graph.node(read).input]
+            starts = [(update, 0) for update in new] + [
+                (read, 0) for update in new for read in graph.consumers.get(update, ())
+                if graph.node(read).op == "ReadVariableOp" and f"^{update}" in graph.node(read).input]
     return tuple(sorted(found.values(), key=lambda u: u.node))
 
 
@@ -38,7 +41,7 @@ def _updates_from(graph: Graph, starts: list[tuple[str, int]], statistic: str, f
     for _ in range(_MAX_DEPTH):
         nxt = []
         for node, out in frontier:
-            for edge in graph.consumers_of(node, out):
+            for edge in graph.consumers_of(node, out, ops=_FOLLOWED):
                 consumer = graph.node(edge.consumer)
                 if consumer.op in ASSIGN_OPS and edge.slot == 1:
                     variable = resolve_variable(graph, graph.producer(consumer.name, 0)[0])

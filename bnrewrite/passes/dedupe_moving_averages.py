@@ -7,10 +7,10 @@ only waited on them. Control edges to removed ops are dropped (e.g. `tf.group` o
 towers' UPDATE_OPS); a data edge is moved to the kept update of the same variable. Towers
 that own their own copy of a statistic keep their update: each copy gets the global value.
 
-A layer that reads the variable it updates (batch renormalization's r and d read
-renorm_mean and renorm_stddev) makes its own update wait for its reads; the kept update
-now stands for every tower, so it waits for every tower's reads of the variable, and each
-tower reads the value from before the step's update, as one device does.
+What a removed update waited for, the kept one now waits for: batch renormalization makes
+each tower's update of renorm_mean and renorm_stddev wait (control edges in the update's
+value chain) for that tower's r and d, which read the old values; the kept update stands
+for every tower, so it waits for every tower's r and d, as the one device's update does.
 """
 
 from __future__ import annotations
@@ -51,37 +51,39 @@ def dedupe_moving_averages(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]
     for name, why in removed.items():
         editor.remove(name)
         record.removed.append((name, why))
-    for variable, nodes in writers.items():
-        if len(nodes) > 1:
-            record.control_edges += _wait_for_reads(graph, editor, variable, nodes[0], removed)
+    for update, kept in keeper.items():
+        record.control_edges += _inherit_waits(graph, editor, update, kept, removed)
     return editor.finish(), record
 
 
-def _wait_for_reads(graph: Graph, editor: Editor, variable: str, kept: str, removed: dict[str, str]) -> int:
-    """Make `kept` wait for the reads of `variable` that something uses; how many.
-
-    Only plain reads (`ReadVariableOp(variable)`, no other input): they depend on nothing, so
-    waiting for them can neither close a cycle nor (under v1 conditionals) inherit a dead
-    branch. Reads the update already computes its value from need no edge.
-    """
-    own = _value_inputs(graph, kept)
-    waits = [
-        f"^{read}" for read in graph.consumers.get(variable, ())
-        if read not in removed and read not in own and graph.consumers.get(read)
-        and graph.node(read).op == "ReadVariableOp" and list(graph.node(read).input) == [variable]
-    ]
+def _inherit_waits(graph: Graph, editor: Editor, update: str, kept: str, removed: dict[str, str]) -> int:
+    """Make `kept` wait for what the removed `update` and the removed nodes that computed its
+    value waited for (their control inputs from nodes that stay); how many edges that added.
+    A node that runs after `kept` is left out: waiting for it would close a cycle."""
+    chain, stack = {update}, [update]
+    while stack:
+        for src, _ in graph.inputs(stack.pop()):
+            if src in removed and src not in chain:
+                chain.add(src)
+                stack.append(src)
+    waits = {spec for node in chain for spec in graph.node(node).input if spec.startswith("^") and spec[1:] not in removed}
+    waits -= set(editor.node(kept).input)
     if waits:
-        editor.mutable(kept).input.extend(waits)
+        after = _descendants(graph, kept)
+        waits = {w for w in waits if w[1:] not in after}
+    if waits:
+        editor.mutable(kept).input.extend(sorted(waits))
     return len(waits)
 
 
-def _value_inputs(graph: Graph, name: str, depth: int = 8) -> set[str]:
-    """The nodes a few data edges above `name`."""
+def _descendants(graph: Graph, name: str) -> set[str]:
     found: set[str] = set()
-    frontier = [name]
-    for _ in range(depth):
-        frontier = [src for node in frontier for src, _ in graph.inputs(node) if src not in found]
-        found.update(frontier)
+    stack = [name]
+    while stack:
+        for reader in graph.consumers.get(stack.pop(), ()):
+            if reader not in found:
+                found.add(reader)
+                stack.append(reader)
     return found
 
 
