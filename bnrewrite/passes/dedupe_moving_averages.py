@@ -77,6 +77,7 @@ def _inherit_waits(graph: Graph, editor: Editor, update: str, kept: str, removed
 
 
 def _descendants(graph: Graph, name: str) -> set[str]:
+    """The nodes that run after `name` because they (transitively) read it."""
     found: set[str] = set()
     stack = [name]
     while stack:
