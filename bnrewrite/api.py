@@ -194,9 +194,10 @@ def _has_training_grad(graph: Graph, site: str) -> bool:
 
 def _plan_without_shared_body_updates(graph: Graph, census: Any, options: Options) -> Plan:
     """make_plan, after dropping layers whose moving averages are updated inside branch functions
-    on variables the towers share (that would need deduplication inside functions)."""
+    on variables the towers share (that would need deduplication inside functions), or whose
+    statistics enter functional control flow that bnrewrite does not search for updates."""
     plan = make_plan(graph, census, options)
-    doomed = {}
+    doomed: dict[str, str] = {}
     for group in plan.groups:
         writers: dict[str, set[str]] = {}
         for site in group.sites:
@@ -205,14 +206,19 @@ def _plan_without_shared_body_updates(graph: Graph, census: Any, options: Option
         for site in group.sites:
             for update in site.updates:
                 if functions.in_body(update.node) and len(writers[update.variable]) > 1:
-                    doomed.update({s.name: update.variable for s in group.sites})
+                    doomed.update({s.name: (
+                        f"its moving average {update.variable} is shared by the towers and updated inside a branch "
+                        "function; deduplicating updates inside functions is not supported, so this layer keeps "
+                        "per-tower statistics") for s in group.sites})
+            if site.opaque:
+                doomed.update({s.name: (
+                    f"its batch statistics enter {site.opaque[0]} ({graph.node(site.opaque[0]).op}), whose functions "
+                    "are not searched for moving-average updates (e.g. tf_keras batch renormalization with a "
+                    "training tensor under control flow v2); left unsynced: build the graph with "
+                    "tf.compat.v1.disable_control_flow_v2() to have it synchronized") for s in group.sites})
     if not doomed:
         return plan
-    census.skips.extend(
-        Skip(name, f"its moving average {variable} is shared by the towers and updated inside a branch function; "
-             "deduplicating updates inside functions is not supported, so this layer keeps per-tower statistics")
-        for name, variable in doomed.items()
-    )
+    census.skips.extend(Skip(name, reason) for name, reason in doomed.items())
     census.sites = [s for s in census.sites if s.name not in doomed]
     if not census.sites:
         raise NoBatchNormError("no batch-norm layer left to synchronize: " + census.skips[-1].reason)

@@ -62,7 +62,7 @@ class Plan:
 
 
 def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
-    sites = [replace(s, updates=find_updates(graph, s.statistics)) for s in census.sites]  # grouping reads them
+    sites = [replace(s, **dict(zip(("updates", "opaque"), find_updates(graph, s.statistics)))) for s in census.sites]
     try:
         towers = group_towers(graph, sites, options.tower_by, min_towers=1 if options.num_workers > 1 else 2)
     except (NoTowersError, TowerMismatchError) as exc:

@@ -26,6 +26,7 @@ Tower shapes (Spec fields; the defaults build the graphs above, node for node):
   count; ``train(..., splits=...)`` then gives towers any sizes, 0 included.
 * ``tower0_updates_only``: ``train_op`` groups tower 0's UPDATE_OPS only.
 * ``affine=False``: legacy layers without gamma and beta (``center=False, scale=False``).
+* ``renorm=True``: legacy layers with batch renormalization.
 
 Model per tower: images -> conv3x3(8) -> BN -> relu -> conv3x3(8) -> BN ->
 relu -> global average pool -> dense(4) -> sparse softmax cross entropy (mean).
@@ -141,6 +142,8 @@ class Spec:
     #: Legacy layers only: False builds them with center=False, scale=False (no gamma or beta:
     #: the layer's only variables are its moving statistics).
     affine: bool = True
+    #: Legacy layers only: batch renormalization (renorm=True; unfused).
+    renorm: bool = False
 
     def __post_init__(self):
         if self.layer not in LAYERS:
@@ -153,8 +156,8 @@ class Spec:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.towers < 1 or self.batch < 1 or self.image < 1 or self.channels < 1:
             raise ValueError(f"towers, batch, image, channels must be >= 1: {self}")
-        if not self.affine and not self.layer.startswith("legacy"):
-            raise ValueError(f"affine=False needs a legacy layer, got {self.layer!r}")
+        if (not self.affine or self.renorm) and not self.layer.startswith("legacy"):
+            raise ValueError(f"affine=False and renorm=True need a legacy layer, got {self.layer!r}")
         if self.tower_prefix.startswith("/") or self.tower_prefix.endswith("/"):
             raise ValueError(f"tower_prefix must be a name scope prefix, got {self.tower_prefix!r}")
 
@@ -241,9 +244,9 @@ def _batch_norm(x, name, spec: Spec, init):
                 x, axis=axis, momentum=BN_MOMENTUM, epsilon=BN_EPSILON,
                 gamma_initializer=_const_init(init[f"{name}/gamma"]),
                 beta_initializer=_const_init(init[f"{name}/beta"]),
-                center=spec.affine, scale=spec.affine,
+                center=spec.affine, scale=spec.affine, renorm=spec.renorm,
                 training=_is_training() if spec.layer.startswith("legacy_cond") else True,
-                fused=spec.layer != "legacy_unfused", name=name)
+                fused=spec.layer != "legacy_unfused" and not spec.renorm, name=name)
     # fused_op
     with tf.compat.v1.variable_scope(name):
         gamma = tf.compat.v1.get_variable(

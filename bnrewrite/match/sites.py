@@ -67,6 +67,9 @@ class Site:
     #: (node, output, statistic) outside the site's function body that carry its statistics
     #: (the outputs of the If whose branch holds it); moving-average updates are found from these too.
     exits: tuple[tuple[str, int, str], ...] = ()
+    #: Functional control-flow ops (If, While, ...) its statistics enter on their way to
+    #: updates: moving-average updates inside their functions cannot be found.
+    opaque: tuple[str, ...] = ()
 
     @property
     def channel_axis(self) -> int:

@@ -14,28 +14,37 @@ _ARITHMETIC = frozenset({
     "Identity", "Sub", "Mul", "Add", "AddV2", "Cast", "RealDiv", "Div", "Neg", "StopGradient",
     "Reshape", "Squeeze", "Maximum", "Minimum", "Switch", "Merge", "Sqrt", "Relu",
 })
-_MAX_DEPTH = 8
-_FOLLOWED = ASSIGN_OPS | _ARITHMETIC
+#: Steps from a statistic to its update: batch renormalization under a v1 conditional passes
+#: smart_cond's Switch/Merge, identities and the renorm arithmetic on the way (measured: 9-12).
+_MAX_DEPTH = 16
+#: Functional control flow: the functions of these ops are not searched for updates.
+FUNCTIONAL_OPS = frozenset({"If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile"})
+_FOLLOWED = ASSIGN_OPS | _ARITHMETIC | FUNCTIONAL_OPS
 
 
-def find_updates(graph: Graph, statistics: list[tuple[str, int, str]]) -> tuple[Update, ...]:
+def find_updates(graph: Graph, statistics: list[tuple[str, int, str]]) -> tuple[tuple[Update, ...], tuple[str, ...]]:
     """Assign ops whose value depends on the (node, output, statistic name) tensors given,
     also through the value an update leaves (the output of a ref-variable assign, or a read
     that waits on a resource-variable assign): batch renormalization sets moving_variance from
-    moving_stddev once that is updated."""
+    moving_stddev once that is updated. Also the functional control-flow ops the statistics
+    enter on the way, whose functions may hold updates this search cannot see."""
     found: dict[str, Update] = {}
+    opaque: set[str] = set()
     for site, output, statistic in statistics:
         starts = [(site, output)]
         while starts:
-            new = _updates_from(graph, starts, statistic, found)
+            new = _updates_from(graph, starts, statistic, found, opaque)
             starts = [(update, 0) for update in new] + [
                 (read, 0) for update in new for read in graph.consumers.get(update, ())
                 if graph.node(read).op == "ReadVariableOp" and f"^{update}" in graph.node(read).input]
-    return tuple(sorted(found.values(), key=lambda u: u.node))
+    return tuple(sorted(found.values(), key=lambda u: u.node)), tuple(sorted(opaque))
 
 
-def _updates_from(graph: Graph, starts: list[tuple[str, int]], statistic: str, found: dict[str, Update]) -> list[str]:
-    """Add to `found` the assign ops a few elementwise ops away from `starts`; the new ones."""
+def _updates_from(
+    graph: Graph, starts: list[tuple[str, int]], statistic: str, found: dict[str, Update], opaque: set[str],
+) -> list[str]:
+    """Add to `found` the assign ops a few elementwise ops away from `starts` (and to `opaque`
+    the functional ops met); the new updates."""
     new = []
     frontier, seen = starts, set()
     for _ in range(_MAX_DEPTH):
@@ -48,6 +57,8 @@ def _updates_from(graph: Graph, starts: list[tuple[str, int]], statistic: str, f
                     if variable is not None and consumer.name not in found:
                         found[consumer.name] = Update(consumer.name, variable, statistic)
                         new.append(consumer.name)
+                elif consumer.op in FUNCTIONAL_OPS:
+                    opaque.add(consumer.name)
                 elif consumer.op in _ARITHMETIC and consumer.name not in seen:
                     seen.add(consumer.name)
                     nxt.extend((consumer.name, i) for i in range(2 if consumer.op == "Switch" else 1))
