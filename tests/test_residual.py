@@ -5,7 +5,7 @@ block do not depend on each other, so each tower may reach their all-reduces in 
 order; the rewrite chains them in one order on every device. Built with tf_keras's legacy
 layers (fused, unfused, and batch renormalization), towers in `tower_k` scopes on `/cpu:k`,
 variables shared: resource variables, and the reference variables (VariableV2, Assign*)
-of graphs exported by TensorFlow 1.x.
+of graphs exported by TensorFlow 1.x. Also tf_keras's own (non-legacy) layers in a TF1 graph.
 """
 
 import warnings
@@ -105,13 +105,17 @@ def test_residual_block_trains_like_one_device(kind, resource):
         for update in (u for row in result.report.layers for u in row.updates_kept if "/renorm_" in out[u].input[0]):
             waited = {c[1:].split("/", 1)[0] for c in out[update].input if c.startswith("^")}
             assert waited == {f"tower_{i}" for i in range(1, k)}, update  # tower 0's own update waited already
-    data = _batches(k, b)
-    ref = _build(1, k * b, kind, resource=resource)
+    _check_oracle(f"residual {kind} {'resource' if resource else 'ref'}", built, result.graph_def,
+                  _build(1, k * b, kind, resource=resource), k, _batches(k, b))
+
+
+def _check_oracle(label: str, built: Built, graph_def, ref: Built, k: int, data: list) -> None:
+    """The rewritten graph trains like `ref` on one device fed every example; `built` does not."""
     expected = train(ref.graph, ref, data, num_devices=1)
-    synced = train(result.graph_def, built, data, num_devices=k)
+    synced = train(graph_def, built, data, num_devices=k)
     unsynced = train(built.graph, built, data, num_devices=k)
     error, off = max_rel_error(synced, expected), max_rel_error(unsynced, expected)
-    print(f"residual {kind} {'resource' if resource else 'ref'} K={k}: synced {error:.2e}, unsynced {off:.2e}")
+    print(f"{label} K={k}: synced {error:.2e}, unsynced {off:.2e}")
     assert off > 1e-2
     assert error <= 2e-4, rel_errors(synced, expected)
 
@@ -159,3 +163,45 @@ def test_ghost_batch_norm_is_reported_not_synchronized():
     assert len(skipped) == 2 and all("proj_bn" in s["node"] and "virtual_batch_size=2" in s["reason"] for s in skipped)
     with pytest.raises(NoBatchNormError, match="ghost batch normalization"):
         rewrite_graph(_build(2, 4, "unfused", ghost=("stem", "a1", "a2", "proj")).graph)
+
+
+def _keras_build(towers: int, batch: int, fused: bool) -> Built:
+    """tf_keras (not legacy) layers called per tower in a TF1 graph: one layer object shared by
+    the towers, its moving-average updates taken from `layer.updates` into the train_op."""
+    import tf_keras
+
+    graph = tf.Graph()
+    with graph.as_default():
+        opt = tf1.train.MomentumOptimizer(0.1, 0.9)
+        conv = tf_keras.layers.Conv2D(8, 3, padding="same", use_bias=False,
+                                      kernel_initializer=tf1.constant_initializer(_initial("stem", (3, 3, CHANNELS, 8))))
+        bn = tf_keras.layers.BatchNormalization(momentum=0.9, fused=fused)
+        dense = tf_keras.layers.Dense(CLASSES, kernel_initializer=tf1.constant_initializer(_initial("dense", (8, CLASSES))))
+        inputs, losses, grads = [], [], []
+        for k in range(towers):
+            with tf.device(f"/cpu:{k}"), tf.name_scope(f"tower_{k}"):
+                images = tf1.placeholder(tf.float32, [batch, IMAGE, IMAGE, CHANNELS], name="images")
+                labels = tf1.placeholder(tf.int32, [batch], name="labels")
+                logits = dense(tf.reduce_mean(tf.nn.relu(bn(conv(images), training=True)), [1, 2]))
+                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits), name="loss")
+                grads.append(opt.compute_gradients(loss))
+            inputs.append((images.name, labels.name))
+            losses.append(loss)
+        with tf.device("/cpu:0"):
+            averaged = [(tf.add_n([g for g, _ in per_var]) / towers, per_var[0][1]) for per_var in zip(*grads)]
+            loss = tf.identity(tf.add_n(losses) / towers, name="total_loss")
+        train_op = tf.group(opt.apply_gradients(averaged), *bn.updates, name="train_op")
+        init = tf1.global_variables_initializer()
+        with tf.name_scope("readout"):
+            variables = {v.op.name: v.value().name for v in tf1.global_variables()}
+    return Built(graph=graph, train_op=train_op.name, loss=loss.name, inputs=inputs, init=init.name, variables=variables)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_keras_layers_in_a_tf1_graph_train_like_one_device(fused):
+    k, b = 2, 3
+    built = _keras_build(k, b, fused)
+    result = rewrite_graph(built.graph, backend="collective")
+    assert len(result.report.layers) == 1 and len(result.report.layers[0].updates_kept) == 2
+    _check_oracle(f"keras BatchNormalization {'fused' if fused else 'unfused'}", built, result.graph_def,
+                  _keras_build(1, k * b, fused), k, _batches(k, b))
