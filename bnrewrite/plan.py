@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from bnrewrite.collectives import Collective, choose_backend
 from bnrewrite.errors import BnRewriteError, NoTowersError, TowerMismatchError
 from bnrewrite.graph import Graph
-from bnrewrite.match.sites import Census
+from bnrewrite.match.sites import Census, Site
 from bnrewrite.match.towers import LayerGroup, Towers, group_towers
 from bnrewrite.match.updates import find_updates
 
@@ -62,7 +62,7 @@ class Plan:
 
 
 def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
-    sites = [replace(s, **dict(zip(("updates", "opaque"), find_updates(graph, s.statistics)))) for s in census.sites]
+    sites = [_with_updates(graph, s) for s in census.sites]  # grouping reads the updated variables
     try:
         towers = group_towers(graph, sites, options.tower_by, min_towers=1 if options.num_workers > 1 else 2)
     except (NoTowersError, TowerMismatchError) as exc:
@@ -83,3 +83,8 @@ def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
     devices = [site.device for site in towers.groups[0].sites]
     backend = choose_backend(options.backend, devices, options.num_workers)
     return Plan(towers, backend, sync_groups, options)
+
+
+def _with_updates(graph: Graph, site: Site) -> Site:
+    updates, opaque = find_updates(graph, site.statistics)
+    return replace(site, updates=updates, opaque=opaque)

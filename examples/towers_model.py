@@ -18,8 +18,9 @@ Tower shapes (Spec fields; the defaults build the graphs above, node for node):
 
 * ``tower_prefix``: tower k's name scope is ``f"{tower_prefix}{k}"``
   (``replica_``, ``clone_``, nested ``model/tower_``...); ``""`` opens no name
-  scope at all, so the towers differ only by device and TensorFlow uniquifies their op names (``net/...``,
-  ``net_1/...``; the tower losses are then ``tower_loss``, ``tower_loss_1``...).
+  scope at all, so the towers differ only by device and TensorFlow uniquifies
+  their op names (``net/...``, ``net_1/...``; the tower losses are then
+  ``tower_loss``, ``tower_loss_1``...).
 * ``uneven``: placeholders with a dynamic batch dimension and
   ``loss_k = reduce_sum(xent_k) * K / N``, N the float placeholder_with_default
   ``global_batch`` (default K*B) that ``train`` feeds with the step's example

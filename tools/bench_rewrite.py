@@ -110,6 +110,11 @@ def bench_config(towers: int, layers: int, reps: int) -> dict:
     }
 
 
+def _exponent(sizes: list, values: list) -> float:
+    """Least-squares slope of log value on log size: k in value ~ size^k."""
+    return float(np.polyfit(np.log(sizes), np.log(values), 1)[0])
+
+
 def print_speed(rows: list[dict]) -> None:
     print("\n== rewrite speed (median of repetitions; ms) ==")
     header = ("towers", "layers", "nodes", "nodes out", "rewrite", "import", "proto",
@@ -132,15 +137,14 @@ def print_speed(rows: list[dict]) -> None:
         f"{r['cpu']['import'] / r['nodes'] * 1e6:.1f}",
     ) for r in rows])
     if len(rows) >= 2:
-        sizes = np.log([r["nodes"] for r in rows])
+        sizes = [r["nodes"] for r in rows]
         for key in ("rewrite", "import", "proto"):
-            slope = np.polyfit(sizes, np.log([r[key] for r in rows]), 1)[0]
-            print(f"scaling exponent ({key} time ~ input nodes^k): k = {slope:.3f}")
-        slope = np.polyfit(np.log([r["nodes_out"] for r in rows]), np.log([r["rewrite"] for r in rows]), 1)[0]
+            print(f"scaling exponent ({key} time ~ input nodes^k): k = {_exponent(sizes, [r[key] for r in rows]):.3f}")
+        slope = _exponent([r["nodes_out"] for r in rows], [r["rewrite"] for r in rows])
         print(f"scaling exponent (rewrite time ~ output nodes^k): k = {slope:.3f} "
               "(more towers add more nodes per input node)")
         for key in ("rewrite", "import"):
-            slope = np.polyfit(sizes, np.log([r["cpu"][key] for r in rows]), 1)[0]
+            slope = _exponent(sizes, [r["cpu"][key] for r in rows])
             print(f"scaling exponent ({key} CPU time ~ input nodes^k): k = {slope:.3f}")
     goal = [r for r in rows if (r["towers"], r["layers"]) == GOAL_CONFIG]
     if goal:
@@ -172,16 +176,14 @@ def print_work(rows: list[dict]) -> None:
     series = {t: rs for t, rs in sorted(by_towers.items()) if len(rs) >= 2}
     if series:
         def slopes(key: str) -> str:
-            return ", ".join(
-                f"{t} towers {np.polyfit(np.log([r['nodes'] for r in rs]), np.log([r[key] for r in rs]), 1)[0]:.3f}"
-                for t, rs in series.items())
+            return ", ".join(f"{t} towers {_exponent([r['nodes'] for r in rs], [r[key] for r in rs]):.3f}"
+                             for t, rs in series.items())
         print(f"exponent over input nodes at a fixed tower count (sites per node fixed): calls: {slopes('calls')}; "
               f"time: {slopes('rewrite')}")
     if len(rows) >= 2:
-        sizes = np.log(matrix[:, 0])
-        print(f"sites ~ input nodes^{np.polyfit(sizes, np.log(matrix[:, 1]), 1)[0]:.3f} over these graphs (more towers, "
+        print(f"sites ~ input nodes^{_exponent(matrix[:, 0], matrix[:, 1]):.3f} over these graphs (more towers, "
               f"more sites per node): a cost per site alone would scale so; calls ~ input nodes^"
-              f"{np.polyfit(sizes, np.log(calls), 1)[0]:.3f}")
+              f"{_exponent(matrix[:, 0], calls):.3f}")
 
 
 def _table(header: tuple, body: list[tuple]) -> None:

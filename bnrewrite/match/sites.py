@@ -313,8 +313,8 @@ def _affine_variables(graph: Graph, variance: str) -> tuple[str | None, str | No
     They tell the copies of a layer apart from other layers whatever the towers' names are.
     """
     scale = offset = None
-    for add in _reached(graph, variance, frozenset({"Add", "AddV2"})):
-        for rsqrt in _reached(graph, add, frozenset({"Rsqrt"}), through=frozenset()):
+    for add in _reached(graph, variance, _ADD):
+        for rsqrt in _reached(graph, add, _RSQRT, through=frozenset()):
             inverses = [rsqrt]
             for mul in _reached(graph, rsqrt, _MUL):
                 variable = _variable_operand(graph, mul)
@@ -322,13 +322,16 @@ def _affine_variables(graph: Graph, variance: str) -> tuple[str | None, str | No
                     scale = scale or variable
                     inverses.append(mul)
             for mul in (m for inverse in inverses for m in _reached(graph, inverse, _MUL)):
-                for sub in _reached(graph, mul, frozenset({"Sub"}), through=frozenset()):
+                for sub in _reached(graph, mul, _SUB, through=frozenset()):
                     if graph.producer(sub, 1)[0] == mul:
                         offset = offset or resolve_variable(graph, graph.producer(sub, 0)[0])
     return scale, offset
 
 
+_ADD = frozenset({"Add", "AddV2"})
+_RSQRT = frozenset({"Rsqrt"})
 _MUL = frozenset({"Mul"})
+_SUB = frozenset({"Sub"})
 
 
 def _reached(graph: Graph, start: str, ops: frozenset[str], through: frozenset[str] = _STATISTIC_THROUGH) -> list[str]:

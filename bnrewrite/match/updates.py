@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bnrewrite.functions import IF_OPS
 from bnrewrite.graph import Graph
 from bnrewrite.match.sites import Update, resolve_variable
 
@@ -18,8 +19,8 @@ _ARITHMETIC = frozenset({
 #: smart_cond's Switch/Merge, identities and the renorm arithmetic on the way (measured: 9-12).
 _MAX_DEPTH = 16
 #: Functional control flow: the functions of these ops are not searched for updates.
-FUNCTIONAL_OPS = frozenset({"If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile"})
-_FOLLOWED = ASSIGN_OPS | _ARITHMETIC | FUNCTIONAL_OPS
+_FUNCTIONAL = IF_OPS | frozenset({"Case", "StatelessCase", "While", "StatelessWhile"})
+_FOLLOWED = ASSIGN_OPS | _ARITHMETIC | _FUNCTIONAL
 
 
 def find_updates(graph: Graph, statistics: list[tuple[str, int, str]]) -> tuple[tuple[Update, ...], tuple[str, ...]]:
@@ -57,7 +58,7 @@ def _updates_from(
                     if variable is not None and consumer.name not in found:
                         found[consumer.name] = Update(consumer.name, variable, statistic)
                         new.append(consumer.name)
-                elif consumer.op in FUNCTIONAL_OPS:
+                elif consumer.op in _FUNCTIONAL:
                     opaque.add(consumer.name)
                 elif consumer.op in _ARITHMETIC and consumer.name not in seen:
                     seen.add(consumer.name)
