@@ -264,6 +264,7 @@ def _report(plan: Plan, records: list[PassRecord], census: Any, before: int, aft
         backend=plan.backend,
         tower_by=plan.towers.by,
         towers=list(plan.towers.ids),
+        layout=plan.towers.layout,
         sync_groups=[list(g) for g in plan.sync_groups],
         nodes_before=before,
         nodes_after=after,
@@ -284,6 +285,7 @@ def _report(plan: Plan, records: list[PassRecord], census: Any, before: int, aft
             collectives=len(group.sites) + len(grads),
             sync_groups=[list(g) for g in plan.sync_groups],
             updates_kept=[u.node for s in group.sites for u in s.updates if u.node not in removed_names],
+            lined_up_by=group.lined_up_by,
         ))
     report.removed = [{"node": name, "why": why} for name, why in removed]
     report.skipped = [{"node": s.node, "reason": s.reason} for s in (*census.skips, *plan.towers.skips)]

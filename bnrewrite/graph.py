@@ -276,6 +276,24 @@ class Graph:
         self.validate()
         return sorted(names, key=self._numbering.__getitem__)  # type: ignore[union-attr]
 
+    def depends_on(self, name: str, ancestor: str) -> bool:
+        """Whether `name` runs after `ancestor` because of a path of data or control edges.
+
+        Searches upstream of `name` only through nodes numbered after `ancestor`."""
+        self.validate()
+        numbering = self._numbering
+        floor = numbering[ancestor]  # type: ignore[index]
+        seen, stack = {name}, [name]
+        while stack:
+            for spec in self.node(stack.pop()).input:
+                src = parse_input(spec)[0]
+                if src == ancestor:
+                    return True
+                if src not in seen and numbering[src] > floor:  # type: ignore[index]
+                    seen.add(src)
+                    stack.append(src)
+        return False
+
     def _full_numbering(self) -> dict[str, int]:
         """Topological positions, spaced _GAP apart so that nodes added later fit in between."""
         return {name: i * _GAP for i, name in enumerate(self._topological_order)}

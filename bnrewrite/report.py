@@ -22,6 +22,7 @@ class LayerRow:
     collectives: int
     sync_groups: list[list[str]]
     updates_kept: list[str]
+    lined_up_by: str = "shared variables"
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Report:
     backend: str = ""
     tower_by: str = ""
     towers: list[str] = field(default_factory=list)
+    layout: str = ""
     sync_groups: list[list[str]] = field(default_factory=list)
     layers: list[LayerRow] = field(default_factory=list)
     removed: list[dict[str, str]] = field(default_factory=list)
@@ -63,12 +65,17 @@ class Report:
             f"bnrewrite: {len(self.layers)} batch-norm layer(s) synchronized across {len(self.towers)} towers "
             f"({', '.join(self.towers)}; told apart by {self.tower_by}), backend {self.backend}",
         ]
+        if self.layout:
+            lines.append(f"layout: {self.layout}")
         if len(self.sync_groups) > 1:
             lines.append("sync groups: " + "; ".join("[" + ", ".join(g) + "]" for g in self.sync_groups))
         if self.layers:
             lines.append("")
-            header = ("layer", "op", "format", "dtype", "grads/tower", "all-reduces")
+            header: tuple[str, ...] = ("layer", "op", "format", "dtype", "grads/tower", "all-reduces")
             rows = [(r.layer, r.op, r.data_format, r.dtype, str(len(r.gradients) // max(len(r.towers), 1)), str(r.collectives)) for r in self.layers]
+            if any(r.lined_up_by != "shared variables" for r in self.layers):
+                header += ("lined up by",)
+                rows = [(*row, r.lined_up_by) for row, r in zip(rows, self.layers)]
             widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
             for row in (header, *rows):
                 lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())

@@ -20,6 +20,7 @@ helpers.
     rel_errors(a, b, floor=1e-3, elementwise=False) -> {quantity: float}
     load_graph(GraphDef | MetaGraphDef | tf.Graph | bytes | path) -> tf.Graph
     build_hand_synced(spec, all_tower_updates=False) -> Built   (test-only)
+    assert_synced(label, synced, unsynced, expected, tolerance) -> float   (test-only)
 
 Typical oracle test::
 
@@ -81,8 +82,19 @@ from towers_model import (  # noqa: E402,F401
 __all__ = [
     "Spec", "Built", "Result", "build_towers", "build_reference", "make_batches",
     "train", "max_rel_error", "rel_errors", "load_graph", "build_hand_synced",
-    "LAYERS", "DATA_FORMATS", "DTYPES", "DEVICES",
+    "LAYERS", "DATA_FORMATS", "DTYPES", "DEVICES", "assert_synced",
 ]
+
+
+def assert_synced(label: str, synced: Result, unsynced: Result, expected: Result, tolerance: float) -> float:
+    """The oracle's verdict: `synced` matches the one-device `expected` within `tolerance`, and
+    `unsynced` (the graph before the rewrite) misses it by more than 1e-2, so the check can
+    fail. Prints both figures; returns the synced error."""
+    error, off = max_rel_error(synced, expected), max_rel_error(unsynced, expected)
+    print(f"{label}: synced {error:.2e}, unsynced {off:.2e}")
+    assert off > 1e-2
+    assert error <= tolerance, rel_errors(synced, expected)
+    return error
 
 
 def build_hand_synced(spec: Spec, all_tower_updates: bool = False) -> Built:

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from bnrewrite import NoBatchNormError, rewrite_graph
 from bnrewrite.collectives import COLLECTIVE_OPS
-from models import Built, max_rel_error, rel_errors, train
+from models import Built, assert_synced, train
 
 tf1 = tf.compat.v1
 IMAGE, CHANNELS, CLASSES, STEPS = 6, 3, 4, 3
@@ -112,12 +112,8 @@ def test_residual_block_trains_like_one_device(kind, resource):
 def _check_oracle(label: str, built: Built, graph_def, ref: Built, k: int, data: list) -> None:
     """The rewritten graph trains like `ref` on one device fed every example; `built` does not."""
     expected = train(ref.graph, ref, data, num_devices=1)
-    synced = train(graph_def, built, data, num_devices=k)
-    unsynced = train(built.graph, built, data, num_devices=k)
-    error, off = max_rel_error(synced, expected), max_rel_error(unsynced, expected)
-    print(f"{label} K={k}: synced {error:.2e}, unsynced {off:.2e}")
-    assert off > 1e-2
-    assert error <= 2e-4, rel_errors(synced, expected)
+    synced, unsynced = (train(g, built, data, num_devices=k) for g in (graph_def, built.graph))
+    assert_synced(f"{label} K={k}", synced, unsynced, expected, 2e-4)
 
 
 def _written(row, built: Built) -> list[str]:

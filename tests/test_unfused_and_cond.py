@@ -16,6 +16,7 @@ from bnrewrite import rewrite_graph
 from models import (
     Result,
     Spec,
+    assert_synced,
     build_reference,
     build_towers,
     load_graph,
@@ -91,10 +92,7 @@ def _oracle(spec, evaluate):
 def test_unfused_and_cond_train_like_one_device(spec):
     evaluate = "cond" in spec.layer
     result, expected, expected_eval, synced, synced_eval, unsynced = _oracle(spec, evaluate)
-    error, off = max_rel_error(synced, expected), max_rel_error(unsynced, expected)
-    print(f"{spec.layer} K={spec.towers} {spec.data_format}: synced {error:.2e}, unsynced {off:.2e}")
-    assert off > 1e-2
-    assert error <= TOLERANCE
+    assert_synced(f"{spec.layer} K={spec.towers} {spec.data_format}", synced, unsynced, expected, TOLERANCE)
     assert all(row.collectives == 2 * spec.towers for row in result.report.layers)
     if evaluate:
         assert abs(synced_eval - expected_eval) <= TOLERANCE * max(1.0, abs(expected_eval))

@@ -1,7 +1,7 @@
 """Rewrite speed and memory at scale, side by side with TensorFlow's own GraphDef handling.
 
     python tools/bench_rewrite.py [--towers 2,4,8] [--layers 20,50,100] [--reps 5]
-                                  [--no-memory] [--no-cli]
+                                  [--no-memory] [--no-cli] [--variables shared|replicated|unnamed]
 
 For each training graph (tools/deep_net.py: towers x conv+BN layers, built once and cached
 as .pb in a temp dir) and in one process, repetitions interleaved:
@@ -63,13 +63,13 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - start, time.process_time() - cpu
 
 
-def bench_config(towers: int, layers: int, reps: int) -> dict:
+def bench_config(towers: int, layers: int, reps: int, variables: str) -> dict:
     import tensorflow as tf
     from tensorflow.core.framework import graph_pb2
 
     from bnrewrite import rewrite_graph
 
-    with open(deep_net.cached_path(towers, layers), "rb") as f:
+    with open(deep_net.cached_path(towers, layers, variables=variables), "rb") as f:
         data = f.read()
     graph_def = graph_pb2.GraphDef.FromString(data)
 
@@ -192,7 +192,7 @@ def _table(header: tuple, body: list[tuple]) -> None:
         print("  ".join(str(c).rjust(w) for c, w in zip(row, widths)))
 
 
-def bench_cli(towers: int, layers: int, reps: int) -> None:
+def bench_cli(towers: int, layers: int, reps: int, variables: str) -> None:
     """`python -m bnrewrite convert IN OUT` on the big .pb, and on the smallest one for the
     fixed cost (interpreter, TensorFlow import, I/O setup) that does not grow with the graph."""
     print(f"\n== CLI end to end ({towers} towers x {layers} layers .pb) ==")
@@ -206,7 +206,7 @@ def bench_cli(towers: int, layers: int, reps: int) -> None:
             return subprocess.run([sys.executable, "-m", "bnrewrite", "convert", path, out],
                                   env=env, capture_output=True, text=True)
 
-        big, small = deep_net.cached_path(towers, layers), deep_net.cached_path(2, 20)
+        big, small = (deep_net.cached_path(t, n, variables=variables) for t, n in ((towers, layers), (2, 20)))
         probe = convert(big)
         if probe.returncode != 0 or not os.path.exists(out):
             why = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
@@ -296,13 +296,13 @@ def memory_size_child(path: str) -> None:
     print(json.dumps({"parse_rss": (_rss_mib() - rss0) / len(copies)}))
 
 
-def bench_memory(configs: list[tuple[int, int]]) -> None:
+def bench_memory(configs: list[tuple[int, int]], variables: str) -> None:
     print("\n== peak memory of one rewrite (fresh subprocess each; MiB) ==")
     header = ("towers", "layers", "ByteSize", "out ByteSize", "parse RSS", "out parse RSS", "traced peak",
               "RSS peak", "/ parse RSS", "in place: RSS peak", "/ parse RSS")
     body = []
     for towers, layers in configs:
-        path = deep_net.cached_path(towers, layers)
+        path = deep_net.cached_path(towers, layers, variables=variables)
         traced = json.loads(_child("--memory-child", path))
         with tempfile.TemporaryDirectory() as tmp:
             out_path = os.path.join(tmp, "out.pb")
@@ -338,6 +338,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-cli", action="store_true")
+    parser.add_argument("--variables", choices=deep_net.VARIABLES, default="shared",
+                        help="how the towers hold their variables (tools/deep_net.py); replicated and unnamed "
+                             "graphs have their layers lined up by variable roles and by structure")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--memory-rss-child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--memory-size-child", help=argparse.SUPPRESS)
@@ -351,19 +354,19 @@ def main(argv: list[str] | None = None) -> None:
 
     configs = [(t, n) for t in args.towers for n in args.layers]
     for t, n in configs:
-        deep_net.cached_path(t, n)  # build what is not cached yet, before timing anything
+        deep_net.cached_path(t, n, variables=args.variables)  # build what is not cached yet, before timing anything
     rows = []
     for t, n in configs:
-        rows.append(bench_config(t, n, args.reps))
+        rows.append(bench_config(t, n, args.reps, args.variables))
         r = rows[-1]
         print(f"{t} towers x {n} layers: {r['nodes']} nodes, rewrite {r['rewrite'] * 1e3:.0f} ms, "
               f"import {r['import'] * 1e3:.0f} ms, proto {r['proto'] * 1e3:.0f} ms", flush=True)
     print_speed(rows)
     print_work(rows)
     if not args.no_cli:
-        bench_cli(*GOAL_CONFIG, reps=3)
+        bench_cli(*GOAL_CONFIG, reps=3, variables=args.variables)
     if not args.no_memory:
-        bench_memory([c for c in configs if c[0] == GOAL_CONFIG[0]] or configs[-1:])
+        bench_memory([c for c in configs if c[0] == GOAL_CONFIG[0]] or configs[-1:], args.variables)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 Each tower: images -> L x [conv2d 3x3 -> batch_normalization(training=True, fused=True)
 -> relu] -> global pool -> dense -> softmax cross entropy, built with tf_keras's legacy
 TF1 layers on `/cpu:k` in name scope `tower_k`, sharing variables through
-`variable_scope("net", reuse=AUTO_REUSE)`. Gradients are averaged across towers and applied
+`variable_scope("net", reuse=AUTO_REUSE)` (or one copy per tower: VARIABLES). Gradients are averaged across towers and applied
 once with MomentumOptimizer; `train_op = tf.group(apply, *UPDATE_OPS)` (every tower's
 moving-average updates). `device="gpu"` places towers on `/gpu:k` (building needs no GPU). Spatial sizes are tiny: building is quick and the graph structure
 (what the rewrite sees) is that of a real deep net.
@@ -14,6 +14,7 @@ moving-average updates). `device="gpu"` places towers on `/gpu:k` (building need
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import warnings
@@ -25,21 +26,33 @@ import tensorflow as tf  # noqa: E402
 CACHE_DIR = os.path.join(tempfile.gettempdir(), "bnrewrite_bench_graphs")
 
 
+#: How the towers hold their variables: one shared copy (towers `tower_k`, variables `net/...`);
+#: one copy per tower, as the TF benchmarks' --variable_update=replicated lays it out (towers
+#: `tower_k`, variables `v<k>/net/...`); or one copy per tower under names that follow no
+#: convention (towers `part<letter>`, variables `w_part<letter>/net/...`): lined up by structure.
+VARIABLES = ("shared", "replicated", "unnamed")
+
+
 def build_graph_def(
-    towers: int, layers: int, channels: int = 8, image: int = 4, batch: int = 2, device: str = "cpu"
+    towers: int, layers: int, channels: int = 8, image: int = 4, batch: int = 2, device: str = "cpu",
+    variables: str = "shared",
 ) -> tf.compat.v1.GraphDef:
     from tf_keras.src.legacy_tf_layers import convolutional, core, normalization
 
+    tf1 = tf.compat.v1
     graph = tf.Graph()
     with graph.as_default(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        opt = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+        opt = tf1.train.MomentumOptimizer(0.1, 0.9)
         tower_grads, losses = [], []
         for k in range(towers):
-            with tf.device(f"/{device}:{k}"), tf.name_scope(f"tower_{k}"):
-                images = tf.compat.v1.placeholder(tf.float32, [batch, image, image, 3], name="images")
-                labels = tf.compat.v1.placeholder(tf.int32, [batch], name="labels")
-                with tf.compat.v1.variable_scope("net", reuse=tf.compat.v1.AUTO_REUSE):
+            scope = f"part{chr(97 + k)}" if variables == "unnamed" else f"tower_{k}"
+            own = {"shared": "", "replicated": f"v{k}", "unnamed": f"w_{scope}"}[variables]
+            owned = tf1.variable_scope(own, auxiliary_name_scope=False) if own else contextlib.nullcontext()
+            with tf.device(f"/{device}:{k}"), tf.name_scope(scope), owned:
+                images = tf1.placeholder(tf.float32, [batch, image, image, 3], name="images")
+                labels = tf1.placeholder(tf.int32, [batch], name="labels")
+                with tf1.variable_scope("net", reuse=tf1.AUTO_REUSE):
                     x = images
                     for i in range(layers):
                         x = convolutional.conv2d(x, channels, 3, padding="same", use_bias=False, name=f"conv{i}")
@@ -49,17 +62,21 @@ def build_graph_def(
                     logits = core.dense(x, 10, name="dense")
                 loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
                 losses.append(loss)
-                tower_grads.append(opt.compute_gradients(loss))
+                tower_grads.append(opt.compute_gradients(loss, var_list=tf1.trainable_variables(own or None)))
         with tf.device(f"/{device}:0"), tf.name_scope("average"):
-            averaged = [(tf.add_n([g for g, _ in per_var]) / float(towers), per_var[0][1]) for per_var in zip(*tower_grads)]
+            averaged = [tf.add_n([g for g, _ in per_var]) / float(towers) for per_var in zip(*tower_grads)]
             tf.identity(tf.add_n(losses) / float(towers), name="loss")
-        apply = opt.apply_gradients(averaged)
-        tf.group(apply, *tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS), name="train_op")
-        tf.compat.v1.global_variables_initializer()
+        # Shared: one update of each variable; replicated: every tower's copy gets the average.
+        copies = tower_grads[:1] if variables == "shared" else tower_grads
+        apply = opt.apply_gradients([(g, v) for grads in copies for g, (_, v) in zip(averaged, grads)])
+        tf.group(apply, *tf1.get_collection(tf1.GraphKeys.UPDATE_OPS), name="train_op")
+        tf1.global_variables_initializer()
     return graph.as_graph_def()
 
 
-def cached_path(towers: int, layers: int, **kwargs: int) -> str:
+def cached_path(towers: int, layers: int, **kwargs: int | str) -> str:
+    if kwargs.get("variables") == "shared":
+        del kwargs["variables"]  # the default: the file name it always had
     extra = "".join(f"_{k}{v}" for k, v in sorted(kwargs.items()))
     path = os.path.join(CACHE_DIR, f"towers{towers}_layers{layers}{extra}.pb")
     if not os.path.exists(path):
@@ -72,7 +89,7 @@ def cached_path(towers: int, layers: int, **kwargs: int) -> str:
     return path
 
 
-def cached_graph_def(towers: int, layers: int, **kwargs: int) -> tf.compat.v1.GraphDef:
+def cached_graph_def(towers: int, layers: int, **kwargs: int | str) -> tf.compat.v1.GraphDef:
     graph_def = tf.compat.v1.GraphDef()
     with open(cached_path(towers, layers, **kwargs), "rb") as f:
         graph_def.ParseFromString(f.read())

@@ -1,9 +1,11 @@
 """Telling towers apart and lining up the copies of each batch-norm layer across them.
 
 A tower is what the graph shows: the device a site runs on when sites span several devices,
-else the top name scope. A layer is what its copies share: the variables they read (scale,
-offset) or write (moving averages) when the towers share those, else the node name with the
-tower's part taken out.
+else the top name scope (MirroredStrategy's replica 0 has none: beside `replica_k` scopes,
+the unscoped sites are `replica_0`). A layer is what its copies share: the variables they
+read (scale, offset) or write (moving averages) when the towers share those; when every
+tower has its own copies, `lineup.py` pairs them by the roles of their variables' names and,
+failing that, by structure.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 from bnrewrite.errors import NoTowersError, TowerMismatchError
 from bnrewrite.graph import Graph
+from bnrewrite.match.lineup import line_up
 from bnrewrite.match.sites import Site, Skip
 
 TOWER_BY = ("auto", "device", "scope")
@@ -25,6 +28,7 @@ class LayerGroup:
 
     key: str
     sites: tuple[Site, ...]
+    lined_up_by: str = "shared variables"  # or "variable roles", "names", "structure"
 
 
 @dataclass(frozen=True)
@@ -33,19 +37,23 @@ class Towers:
     by: str
     groups: tuple[LayerGroup, ...]
     skips: tuple[Skip, ...]
+    layout: str = ""  # how the towers hold the layers' variables, for the report
 
 
 def _natural(text: str) -> list[object]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
 
 
-def tower_of(site: Site, by: str) -> str:
-    return str(site.device) if by == "device" else site.name.split("/", 1)[0]
+_REPLICA_SCOPE = re.compile(r"replica_\d+")
 
 
-def _strip_tower(name: str) -> str:
-    head, sep, rest = name.partition("/")
-    return rest if sep else re.sub(r"_\d+$", "", head)
+def tower_of(site: Site, by: str, replica_scopes: bool = False) -> str:
+    """The tower of `site`; `replica_scopes`: other sites sit in `replica_k` scopes, and a
+    site outside one belongs to replica 0 (tf.distribute names no scope for it)."""
+    if by == "device":
+        return str(site.device)
+    top = site.name.split("/", 1)[0]
+    return "replica_0" if replica_scopes and not _REPLICA_SCOPE.fullmatch(top) else top
 
 
 def choose_tower_by(sites: list[Site], by: str) -> str:
@@ -62,7 +70,8 @@ def group_towers(graph: Graph, sites: list[Site], by: str = "auto", min_towers: 
     op, format, dtype or attributes, are skipped whole with the reason.
     """
     by = choose_tower_by(sites, by)
-    tower = {s.name: tower_of(s, by) for s in sites}
+    replica_scopes = by == "scope" and any(_REPLICA_SCOPE.fullmatch(s.name.split("/", 1)[0]) for s in sites)
+    tower = {s.name: tower_of(s, by, replica_scopes) for s in sites}
     ids = sorted(set(tower.values()), key=_natural)
     if len(ids) < min_towers or not ids:
         where = f"device {ids[0]}" if by == "device" and ids else f"scope {ids[0]!r}" if ids else "nowhere"
@@ -70,32 +79,51 @@ def group_towers(graph: Graph, sites: list[Site], by: str = "auto", min_towers: 
             f"training batch norm found in only one tower ({where}, told apart by {by}); "
             "bnrewrite needs a graph replicated over 2 or more towers (devices or name scopes)"
         )
+    variables = {s.name: _variables(s) for s in sites}
     users: dict[str, set[str]] = defaultdict(set)  # variable -> the towers whose sites use it
     for s in sites:
-        for variable in _variables(s):
+        for variable in variables[s.name]:
             users[variable].add(tower[s.name])
     buckets: dict[str, list[Site]] = defaultdict(list)
+    own = []  # sites that use no variable every tower uses
     for s in sites:
         # A variable every tower uses names the layer (one tower's own variables, or updates
-        # that some towers lack, would split it); none: the name without the tower's part.
-        shared = [variable for variable in _variables(s) if len(users[variable]) == len(ids)]
-        buckets["|".join(shared) if shared else _strip_tower(s.name)].append(s)
+        # that some towers lack, would split it).
+        shared = [variable for variable in variables[s.name] if len(users[variable]) == len(ids)]
+        if shared:
+            buckets["|".join(shared)].append(s)
+        else:
+            own.append(s)
+    pairings, skips = line_up(graph, own, tower, ids, variables, by == "scope") if own else ([], [])
+    candidates = [(key, members, "shared variables") for key, members in buckets.items()]
+    candidates += [(p.key, p.sites, p.by) for p in pairings]
     order = {name: i for i, name in enumerate(graph.names())}
-    groups, skips = [], []
-    for key, members in buckets.items():
+    groups = []
+    for key, members, how in candidates:
         reason = _mismatch(members, tower, ids)
         if reason:
             skips.extend(Skip(s.name, reason) for s in members)
             continue
-        members.sort(key=lambda s: ids.index(tower[s.name]))
-        groups.append(LayerGroup(_layer_name(key), tuple(members)))
+        members = sorted(members, key=lambda s: ids.index(tower[s.name]))
+        groups.append(LayerGroup(_layer_name(key), tuple(members), how))
     groups.sort(key=lambda g: order[g.sites[0].name])
     if not groups:
         raise TowerMismatchError(
             f"found towers {', '.join(ids)} but no batch-norm layer lines up across them "
             f"({skips[0].node}: {skips[0].reason}); check that every tower builds the same model"
         )
-    return Towers(tuple(ids), by, tuple(groups), tuple(skips))
+    return Towers(tuple(ids), by, tuple(groups), tuple(skips), _layout(groups, variables))
+
+
+def _layout(groups: list[LayerGroup], variables: dict[str, list[str]]) -> str:
+    """How the towers hold the synchronized layers' variables, in words."""
+    shared = sum(g.lined_up_by == "shared variables" for g in groups)
+    replicated = sum(bool(variables[g.sites[0].name]) for g in groups) - shared
+    if not replicated:
+        return "shared variables: one copy for all towers" if shared else "no variables: layers lined up by name or structure"
+    if not shared:
+        return "replicated variables: one copy per tower"
+    return f"mixed: {shared} layer(s) with variables shared by the towers, {replicated} with one copy per tower"
 
 
 def _variables(site: Site) -> list[str]:

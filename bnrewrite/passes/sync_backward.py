@@ -6,7 +6,9 @@ where both sums run over every tower. Each tower sums dy and dy*(x - mean) local
 all-reduce adds them up, and the rest is elementwise. N comes from the forward pass through
 reserve_space_3 (FusedBatchNormV3); for the older ops the all-reduce carries the counts too.
 d(scale) and d(offset) stay tower-local: the graph already averages them across towers, and
-since every tower's dy is K times its share of the averaged loss, that average is exact.
+since every tower's dy is K times its share of the averaged loss, that average is exact;
+they wait for dx (control edges), as inside the fused kernel, so that an optimizer's update of
+a reference variable's scale cannot overwrite it before dx has read it.
 A FusedBatchNormGrad alone cannot do this: it treats the batch statistics as its own.
 The gradient op is replaced by an IdentityN of the same name, so its consumers are unchanged.
 """
@@ -19,7 +21,7 @@ from bnrewrite.collectives import all_reduce
 from bnrewrite.functions import through_identity
 from bnrewrite.graph import Graph, parse_input
 from bnrewrite.match.sites import Site
-from bnrewrite.nodes import DT_FLOAT, identity_n
+from bnrewrite.nodes import DT_FLOAT, DType, identity_n
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.passes.sites import SiteContext, each_site
 from bnrewrite.plan import Plan
@@ -79,8 +81,12 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
         F,
     )
     dx = b.cast("dx", b.binary("Mul", "dx_float", inner, b.per_channel("gain_b", gain, shape, F), F), F, T)
-    dscale = b.cast("dscale", b.binary("Mul", "dscale_float", sum_dy_xc, rstd, F), F, U)
-    doffset = b.cast("doffset", sum_dy, F, U)
+    # d(scale) and d(offset) wait for dx, as they did inside the fused kernel: with reference
+    # variables `scale` aliases the variable's buffer, which the optimizer's update of the scale
+    # (fed by d(scale)) would otherwise be free to overwrite before dx has read it.
+    after_dx = f"^{dx}"
+    dscale = b.node("Identity", "dscale", [b.cast("dscale_stat", b.binary("Mul", "dscale_float", sum_dy_xc, rstd, F), F, U), after_dx], T=DType(U))
+    doffset = b.node("Identity", "doffset", [b.cast("doffset_stat", sum_dy, F, U), after_dx], T=DType(U))
     empty = b.cast("empty", b.const("empty_float", np.zeros([0], np.float32), np.float32), F, U)
     outputs = [dx, dscale, doffset, empty, empty]
     editor.replace(identity_n(grad, outputs + controls, [T, U, U, U, U], device, key))

@@ -1,0 +1,133 @@
+"""Lining up the copies of a layer across towers that share no variable.
+
+Trainers with replicated variables (tf.distribute.MirroredStrategy, the TF benchmarks'
+`--variable_update=replicated`) give every tower its own copy of every variable, so the
+shared variables that `towers.py` lines layers up by are not there. Two things the graph
+shows still pair the copies:
+
+1. roles: the names of the variables a copy uses (else its own name) with the parts that
+   name a tower or a replica taken out: `v1/bn/gamma` and `bn/gamma/replica_1` become
+   `bn/gamma`. A role held by exactly one site in every tower pairs those sites.
+2. structure, for the sites whose roles do not pair (a naming convention nobody foresaw): the
+   op types and variable shapes a few steps upstream of the site. Sites of one tower with the
+   same structure are told apart by their order along data dependencies; when they do not
+   depend on each other (parallel branches), nothing in the graph decides which copy goes with
+   which, and they are skipped with the reason rather than paired by a guess.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+from bnrewrite.graph import Graph
+from bnrewrite.match.sites import VARIABLE_OPS, Site, Skip
+
+#: A name component that names a tower or replica: tower_1, replica_1, v1, clone_2, gpu_0, ...
+TOWER_PART = re.compile(r"(?:tower|replica|clone|gpu|cpu|device|worker|shard|v)_?\d+", re.IGNORECASE)
+#: How many steps upstream of a site its structure looks (site <- conv <- read <- variable).
+_DEPTH = 3
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """The copies of one layer (one per tower, in tower order) and what paired them."""
+
+    key: str
+    sites: list[Site]
+    by: str  # "variable roles", "names" or "structure"
+
+
+def role(name: str, tower_scope: str | None = None) -> str:
+    """`name` without the components that name a tower or replica (and without `tower_scope`,
+    the tower's own top-level scope, when towers are told apart by scope)."""
+    parts = name.split("/")
+    if tower_scope is not None and parts[0] == tower_scope:
+        parts = parts[1:]
+    return "/".join(p for p in parts if not TOWER_PART.fullmatch(p))
+
+
+def line_up(
+    graph: Graph, sites: list[Site], tower: dict[str, str], ids: list[str], variables: dict[str, list[str]],
+    scope_towers: bool,
+) -> tuple[list[Pairing], list[Skip]]:
+    """Pair `sites` (none of which uses a variable every tower uses) across the towers `ids`.
+
+    `variables`: each site's variables; `scope_towers`: towers are top-level name scopes."""
+    by_role: dict[str, list[Site]] = defaultdict(list)
+    for s in sites:
+        scope = tower[s.name] if scope_towers else None
+        by_role["|".join(role(v) for v in variables[s.name]) or role(s.name, scope)].append(s)
+    pairings, rest = [], []
+    for key, members in by_role.items():
+        if sorted(tower[s.name] for s in members) == sorted(ids):
+            how = "variable roles" if variables[members[0].name] else "names"
+            pairings.append(Pairing(key, _in_tower_order(members, tower, ids), how))
+        else:
+            rest.extend(members)
+    structured, skips = _by_structure(graph, rest, tower, ids, variables)
+    return pairings + structured, skips
+
+
+def _in_tower_order(members: list[Site], tower: dict[str, str], ids: list[str]) -> list[Site]:
+    return sorted(members, key=lambda s: ids.index(tower[s.name]))
+
+
+def _by_structure(
+    graph: Graph, sites: list[Site], tower: dict[str, str], ids: list[str], variables: dict[str, list[str]],
+) -> tuple[list[Pairing], list[Skip]]:
+    """Pair sites whose roles did not: by structure, then by order along data dependencies."""
+    memo: dict[tuple[str, int], str] = {}
+    buckets: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    site_of = {s.name: s for s in sites}
+    for s in sites:
+        buckets[structure(graph, s.name, _DEPTH, memo)][tower[s.name]].append(s.name)
+    pairings, skips = [], []
+    for per_tower in buckets.values():
+        counts = {t: len(per_tower.get(t, ())) for t in ids}
+        members = [name for names in per_tower.values() for name in names]
+        reason = _unpairable(graph, per_tower, counts)
+        if reason:
+            skips.extend(Skip(name, reason) for name in members)
+            continue
+        ordered = [graph.sorted_topologically(per_tower[t]) for t in ids]
+        for copies in zip(*ordered):
+            first = site_of[copies[0]]
+            key = "|".join(role(v) for v in variables[first.name]) or role(first.name, tower[first.name])
+            pairings.append(Pairing(key, [site_of[name] for name in copies], "structure"))
+    return pairings, skips
+
+
+def _unpairable(graph: Graph, per_tower: dict[str, list[str]], counts: dict[str, int]) -> str:
+    """Why sites of one structure cannot be paired across towers ("" if they can)."""
+    missing = [t for t, n in counts.items() if not n]
+    if missing:
+        return f"missing from tower(s) {', '.join(missing)}"
+    if len(set(counts.values())) > 1:
+        seen = ", ".join(f"{n} in {t}" for t, n in counts.items())
+        return (f"towers hold different numbers of batch-norm sites of this structure ({seen}) and their names "
+                "do not pair them; this layer keeps per-tower statistics")
+    for names in per_tower.values():
+        ordered = graph.sorted_topologically(names)
+        if any(not graph.depends_on(later, earlier) for earlier, later in zip(ordered, ordered[1:])):
+            return (f"{len(names)} batch-norm sites of one tower have the same structure, do not depend on each "
+                    "other, and their names do not pair them with the other towers' copies; left unsynced "
+                    "rather than paired by a guess")
+    return ""
+
+
+def structure(graph: Graph, name: str, depth: int, memo: dict[tuple[str, int], str]) -> str:
+    """The op types (and variable shapes) `depth` steps upstream of `name` along data inputs:
+    the same for every tower's copy of a layer, whatever the towers' names."""
+    key = (name, depth)
+    if key in memo:
+        return memo[key]
+    node = graph.node(name)
+    label = node.op
+    if node.op in VARIABLE_OPS:
+        label += str([d.size for d in node.attr["shape"].shape.dim]) if "shape" in node.attr else ""
+    elif depth:
+        label += "(" + ",".join(f"{structure(graph, src, depth - 1, memo)}:{out}" for src, out in graph.inputs(name)) + ")"
+    memo[key] = label
+    return label
