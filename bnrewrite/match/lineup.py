@@ -32,10 +32,10 @@ _DEPTH = 3
 
 @dataclass(frozen=True)
 class Pairing:
-    """The copies of one layer (one per tower, in tower order) and what paired them."""
+    """The copies of one layer and what paired them."""
 
     key: str
-    sites: list[Site]
+    sites: list[Site]  # one per tower; towers.py puts them in tower order
     by: str  # "variable roles", "names" or "structure"
 
 
@@ -62,16 +62,11 @@ def line_up(
     pairings, rest = [], []
     for key, members in by_role.items():
         if sorted(tower[s.name] for s in members) == sorted(ids):
-            how = "variable roles" if variables[members[0].name] else "names"
-            pairings.append(Pairing(key, _in_tower_order(members, tower, ids), how))
+            pairings.append(Pairing(key, members, "variable roles" if variables[members[0].name] else "names"))
         else:
             rest.extend(members)
     structured, skips = _by_structure(graph, rest, tower, ids, variables)
     return pairings + structured, skips
-
-
-def _in_tower_order(members: list[Site], tower: dict[str, str], ids: list[str]) -> list[Site]:
-    return sorted(members, key=lambda s: ids.index(tower[s.name]))
 
 
 def _by_structure(
@@ -85,32 +80,30 @@ def _by_structure(
         buckets[structure(graph, s.name, _DEPTH, memo)][tower[s.name]].append(s.name)
     pairings, skips = [], []
     for per_tower in buckets.values():
-        counts = {t: len(per_tower.get(t, ())) for t in ids}
-        members = [name for names in per_tower.values() for name in names]
-        reason = _unpairable(graph, per_tower, counts)
+        ordered = {t: graph.sorted_topologically(per_tower.get(t, ())) for t in ids}
+        reason = _unpairable(graph, ordered)
         if reason:
-            skips.extend(Skip(name, reason) for name in members)
+            skips.extend(Skip(name, reason) for names in ordered.values() for name in names)
             continue
-        ordered = [graph.sorted_topologically(per_tower[t]) for t in ids]
-        for copies in zip(*ordered):
+        for copies in zip(*ordered.values()):
             first = site_of[copies[0]]
             key = "|".join(role(v) for v in variables[first.name]) or role(first.name, tower[first.name])
             pairings.append(Pairing(key, [site_of[name] for name in copies], "structure"))
     return pairings, skips
 
 
-def _unpairable(graph: Graph, per_tower: dict[str, list[str]], counts: dict[str, int]) -> str:
-    """Why sites of one structure cannot be paired across towers ("" if they can)."""
-    missing = [t for t, n in counts.items() if not n]
+def _unpairable(graph: Graph, ordered: dict[str, list[str]]) -> str:
+    """Why the sites of one structure, per tower in topological order, cannot be paired
+    across towers ("" if they can)."""
+    missing = [t for t, names in ordered.items() if not names]
     if missing:
         return f"missing from tower(s) {', '.join(missing)}"
-    if len(set(counts.values())) > 1:
-        seen = ", ".join(f"{n} in {t}" for t, n in counts.items())
+    if len({len(names) for names in ordered.values()}) > 1:
+        seen = ", ".join(f"{len(names)} in {t}" for t, names in ordered.items())
         return (f"towers hold different numbers of batch-norm sites of this structure ({seen}) and their names "
                 "do not pair them; this layer keeps per-tower statistics")
-    for names in per_tower.values():
-        ordered = graph.sorted_topologically(names)
-        if any(not graph.depends_on(later, earlier) for earlier, later in zip(ordered, ordered[1:])):
+    for names in ordered.values():
+        if any(not graph.depends_on(later, earlier) for earlier, later in zip(names, names[1:])):
             return (f"{len(names)} batch-norm sites of one tower have the same structure, do not depend on each "
                     "other, and their names do not pair them with the other towers' copies; left unsynced "
                     "rather than paired by a guess")
