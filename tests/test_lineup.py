@@ -37,9 +37,10 @@ def test_role_drops_the_tower_scope_when_towers_are_scopes():
 
 
 def _towers(scopes: list[str], layers: list[str], parallel: tuple[str, ...] = (), skip: dict | None = None,
-            variable_scopes: list[str] | None = None) -> tf.Graph:
+            variable_scopes: list[str | None] | None = None) -> tf.Graph:
     """Towers on /cpu:k under name scope scopes[k] and variable scope variable_scopes[k]
-    (default "w_" + scopes[k]: names that follow no convention bnrewrite knows), each a chain
+    (default "w_" + scopes[k]: names that follow no convention bnrewrite knows; None: a new
+    scope named after "model", which TensorFlow uniquifies: model, model_1, ...), each a chain
     of conv+BN `layers`; `parallel`: layers that read the previous chain layer's output side by
     side (summed for the next one); `skip`: tower index -> layers whose BN that tower lacks."""
     from tf_keras.src.legacy_tf_layers import convolutional, normalization
@@ -52,7 +53,7 @@ def _towers(scopes: list[str], layers: list[str], parallel: tuple[str, ...] = ()
         opt = tf1.train.GradientDescentOptimizer(0.1)
         ops = []
         for k, (scope, variable_scope) in enumerate(zip(scopes, variable_scopes)):
-            with tf.device(f"/cpu:{k}"), tf.name_scope(scope), tf1.variable_scope(variable_scope):
+            with tf.device(f"/cpu:{k}"), tf.name_scope(scope), tf1.variable_scope(variable_scope, default_name="model"):
                 h = tf1.placeholder(tf.float32, [2, 4, 4, 3], name="images")
                 branches: list = []
                 for layer in layers:
@@ -100,6 +101,17 @@ def test_parallel_twins_with_conventional_names_are_paired_by_their_roles():
     rows = rewrite_graph(graph, backend="collective").report.layers
     assert [{_layer_of(s) for s in row.sites} for row in rows] == [{"stem_bn"}, {"left_bn"}, {"right_bn"}]
     assert [(row.layer, row.lined_up_by) for row in rows] == [(f"{layer}_bn", "variable roles") for layer in ("stem", "left", "right")]
+
+
+def test_uniquified_scopes_are_paired_by_their_roles():
+    """Towers built by entering the same scopes again: name scopes tower, tower_1; variable
+    scopes model, model_1. Parallel twins that structure cannot tell apart pair by name."""
+    graph = _towers(["tower", "tower"], ["stem", "left", "right"], parallel=("left", "right"), variable_scopes=[None, None])
+    assert {v.op.name.split("/")[0] for v in graph.get_collection("variables")} == {"model", "model_1"}
+    rows = rewrite_graph(graph, backend="collective").report.layers
+    assert [[s.split("/")[0] for s in row.sites] for row in rows] == [["tower", "tower_1"]] * 3
+    assert [({_layer_of(s) for s in row.sites}, row.lined_up_by) for row in rows] == [
+        ({f"{layer}_bn"}, "variable roles") for layer in ("stem", "left", "right")]
 
 
 def test_a_layer_missing_in_one_tower_is_skipped_the_rest_synced():

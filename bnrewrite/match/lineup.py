@@ -7,7 +7,8 @@ shows still pair the copies:
 
 1. roles: the names of the variables a copy uses (else its own name) with the parts that
    name a tower or a replica taken out: `v1/bn/gamma` and `bn/gamma/replica_1` become
-   `bn/gamma`. A role held by exactly one site in every tower pairs those sites.
+   `bn/gamma`; failing that, also the `_k` of a uniquified outermost scope (`model_1/bn/gamma`).
+   A role held by exactly one site in every tower pairs those sites.
 2. structure, for the sites whose roles do not pair (a naming convention nobody foresaw): the
    op types and variable shapes a few steps upstream of the site. Sites of one tower with the
    same structure are told apart by their order along data dependencies; when they do not
@@ -26,6 +27,7 @@ from bnrewrite.match.sites import VARIABLE_OPS, Site, Skip
 
 #: A name component that names a tower or replica: tower_1, replica_1, v1, clone_2, gpu_0, ...
 TOWER_PART = re.compile(r"(?:tower|replica|clone|gpu|cpu|device|worker|shard|v)_?\d+", re.IGNORECASE)
+_UNIQUIFIED = re.compile(r"_\d+$")
 #: How many steps upstream of a site its structure looks (site <- conv <- read <- variable).
 _DEPTH = 3
 
@@ -39,32 +41,41 @@ class Pairing:
     by: str  # "variable roles", "names" or "structure"
 
 
-def role(name: str, tower_scope: str | None = None) -> str:
+def role(name: str, tower_scope: str | None = None, uniquified: bool = False) -> str:
     """`name` without the components that name a tower or replica (and without `tower_scope`,
-    the tower's own top-level scope, when towers are told apart by scope)."""
+    the tower's own top-level scope, when towers are told apart by scope); `uniquified`: also
+    without the `_k` that TensorFlow appends to an outermost scope entered again (`model_1`)."""
     parts = name.split("/")
     if tower_scope is not None and parts[0] == tower_scope:
         parts = parts[1:]
-    return "/".join(p for p in parts if not TOWER_PART.fullmatch(p))
+    parts = [p for p in parts if not TOWER_PART.fullmatch(p)]
+    if uniquified and parts:
+        parts[0] = _UNIQUIFIED.sub("", parts[0])
+    return "/".join(parts)
 
 
 def line_up(
     graph: Graph, sites: list[Site], tower: dict[str, str], ids: list[str], variables: dict[str, list[str]],
     scope_towers: bool,
 ) -> tuple[list[Pairing], list[Skip]]:
-    """Pair `sites` (none of which uses a variable every tower uses) across the towers `ids`.
+    """Pair `sites` (none of which uses a variable every tower uses) across the towers `ids`:
+    by roles, then by roles that also ignore uniquified outermost scopes (for what is left: it
+    would merge top-level layers `bn` and `bn_1`), then by structure.
 
     `variables`: each site's variables; `scope_towers`: towers are top-level name scopes."""
-    by_role: dict[str, list[Site]] = defaultdict(list)
-    for s in sites:
-        scope = tower[s.name] if scope_towers else None
-        by_role["|".join(role(v) for v in variables[s.name]) or role(s.name, scope)].append(s)
-    pairings, rest = [], []
-    for key, members in by_role.items():
-        if sorted(tower[s.name] for s in members) == sorted(ids):
-            pairings.append(Pairing(key, members, "variable roles" if variables[members[0].name] else "names"))
-        else:
-            rest.extend(members)
+    pairings, rest = [], sites
+    for uniquified in (False, True):
+        by_role: dict[str, list[Site]] = defaultdict(list)
+        for s in rest:
+            scope = tower[s.name] if scope_towers else None
+            key = "|".join(role(v, uniquified=uniquified) for v in variables[s.name])
+            by_role[key or role(s.name, scope, uniquified)].append(s)
+        rest = []
+        for key, members in by_role.items():
+            if sorted(tower[s.name] for s in members) == sorted(ids):
+                pairings.append(Pairing(key, members, "variable roles" if variables[members[0].name] else "names"))
+            else:
+                rest.extend(members)
     structured, skips = _by_structure(graph, rest, tower, ids, variables)
     return pairings + structured, skips
 
