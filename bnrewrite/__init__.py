@@ -1,6 +1,6 @@
 """bnrewrite: synchronized batch norm for replicated multi-tower TensorFlow graphs, as a rewrite.
 
-`rewrite_graph` and `RewriteResult` are imported on first use (PEP 562), so that
+`rewrite_graph`, `RewriteResult` and `check` are imported on first use (PEP 562), so that
 `import bnrewrite` and `bnrewrite --help` do not pay for importing TensorFlow, and the
 command line can quiet TensorFlow's import-time logging before it happens.
 """
@@ -16,6 +16,7 @@ from bnrewrite.errors import (
     NoTowersError,
     OutputError,
     PassError,
+    RemovedByRewriteError,
     TowerMismatchError,
 )
 
@@ -32,21 +33,23 @@ __all__ = [
     "NoTowersError",
     "OutputError",
     "PassError",
+    "RemovedByRewriteError",
     "RewriteResult",
     "TowerMismatchError",
+    "check",
     "rewrite_graph",
 ]
 
-_LAZY = {"rewrite_graph", "RewriteResult"}
+_LAZY = {"rewrite_graph": "api", "RewriteResult": "api", "check": "selfcheck"}
 
 
 def __getattr__(name: str) -> object:
     if name in _LAZY:
-        from bnrewrite import api
+        import importlib
 
-        return getattr(api, name)
+        return getattr(importlib.import_module(f"bnrewrite.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'bnrewrite' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | _LAZY)
+    return sorted(set(globals()) | set(_LAZY))

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
-from bnrewrite import functions
+from bnrewrite import functions, handles
 from bnrewrite.errors import (
     AlreadyRewrittenError,
     BnRewriteError,
@@ -32,6 +32,17 @@ class RewriteResult:
     graph_def: graph_pb2.GraphDef
     meta_graph_def: meta_graph_pb2.MetaGraphDef | None
     report: Report
+
+    def to_graph(self) -> Any:
+        """A new tf.Graph of the rewritten graph, with the collections, saver and variables of
+        the MetaGraphDef when the input had one (a tf.Graph or MetaGraphDef)."""
+        return handles.to_graph(self.graph_def, self.meta_graph_def)
+
+    def find(self, graph: Any, old: Any) -> Any:
+        """The counterparts in `graph` (from `to_graph`) of the handles `old` held in the input
+        graph: Operations, Tensors, Variables or names, alone or in lists, tuples and dicts.
+        Raises RemovedByRewriteError for a node the rewrite removed."""
+        return handles.find(graph, old, {r["node"]: r["why"] for r in self.report.removed})
 
 
 @contextmanager

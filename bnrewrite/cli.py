@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from bnrewrite import __version__, errors
+from bnrewrite import __version__, errors, selfcheck
 from bnrewrite.errors import BnRewriteError, OutputError
 
 PROG = "bnrewrite"
@@ -59,6 +59,20 @@ exit codes:
 {codes}
 
 Run 'bnrewrite COMMAND --help' for a command's options.
+"""
+
+CHECK_EPILOG = """\
+examples:
+  # the backend you would get: NCCL on 2 or more GPUs, else collective on 2 virtual CPUs
+  bnrewrite check
+
+  # the collective backend on 4 virtual CPU towers, as JSON
+  bnrewrite check --backend collective --towers 4 --json
+
+Each case (fused and unfused batch norm, NHWC and NCHW) trains a small conv+BN model on K
+towers rewritten by bnrewrite, the same graph un-rewritten, and one device fed the whole
+batch; it passes when the rewritten graph matches one device and the un-rewritten one does
+not. Exit code 0 only when every case passes, 1 when one fails.
 """
 
 CONVERT_EPILOG = """\
@@ -168,6 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("--json", action="store_true", help="print the differences as JSON")
     _verbosity(diff)
     diff.set_defaults(func=cmd_diff)
+
+    check = sub.add_parser(
+        "check", help="check on this machine that synced training matches one device", epilog=CHECK_EPILOG,
+        formatter_class=fmt,
+        description="Train small multi-tower graphs rewritten by bnrewrite here and compare with one device.",
+    )
+    selfcheck.add_arguments(check)
+    _verbosity(check)
+    check.set_defaults(func=selfcheck.run)
     return parser
 
 

@@ -70,3 +70,7 @@ class PassError(GraphValidationError):
     """A rewrite pass produced an invalid graph; names the pass. A bug in bnrewrite."""
 
     exit_code = 12
+
+
+class RemovedByRewriteError(BnRewriteError):
+    """A handle names a node the rewrite removed (e.g. a duplicate moving-average update)."""
