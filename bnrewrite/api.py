@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 from tensorflow.core.framework import graph_pb2
@@ -18,12 +18,12 @@ from bnrewrite.errors import (
     NoBatchNormError,
 )
 from bnrewrite.graph import Graph, copy_fields, parse_input
-from bnrewrite.match.sites import FUSED_GRAD, Skip, scan
+from bnrewrite.match.sites import Census, scan
 from bnrewrite.match.towers import TOWER_BY
 from bnrewrite.nodes import MARK
 from bnrewrite.passes import run_passes
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.plan import Options, Plan, make_plan
+from bnrewrite.plan import Options, Plan, plan_without_shared_body_updates
 from bnrewrite.report import LayerRow, Report
 
 
@@ -115,14 +115,7 @@ def _rewrite(
 ) -> RewriteResult:
     model = Graph.from_graph_def(graph_def, storage=storage)
     model.validate()  # a dangling input or a cycle in the input is the input's fault, not a pass's
-    combined, bodies = functions.flatten(model)
-    census = scan(combined)
-    if model.library is not None and not census.rewritten:  # marks in branch functions left unflattened
-        census.rewritten.extend(
-            f"{f.signature.name}/{n.name}" for f in model.library.function for n in f.node_def if MARK in n.attr
-        )
-    if bodies is not None:
-        _adopt_function_sites(combined, bodies, census, functions.called_functions(model))
+    combined, bodies, census = take_census(model)
     if census.rewritten:
         if if_rewritten == "error":
             raise AlreadyRewrittenError(
@@ -144,7 +137,7 @@ def _rewrite(
             "no batch-norm op found that bnrewrite can rewrite (FusedBatchNorm*, tf.nn.moments); nothing to synchronize"
             + (f" ({len(census.skips)} unsupported: {census.skips[0].reason})" if census.skips else "")
         )
-    plan = _plan_without_shared_body_updates(combined, census, options)
+    plan = plan_without_shared_body_updates(combined, census, options)
     rewritten, records = run_passes(combined, plan)
     report_note = ""
     if bodies is not None and bodies.bodies:
@@ -170,70 +163,18 @@ def _rewrite(
     return RewriteResult(out_def, meta, report)
 
 
-def _adopt_function_sites(graph: Graph, bodies: functions.Bodies, census: Any, called: set[str]) -> None:
-    """Sites in If branches leave through the If's outputs; skips name only what stays unrewritten."""
-    flattened = bodies.functions
-
-    def still_reported(skip: Skip) -> bool:
-        if not skip.node.startswith("function "):
-            return True
-        name = skip.node[len("function "):]
-        return name not in flattened and name in called  # uncalled functions are dead code
-
-    census.skips = [s for s in census.skips if still_reported(s)]
-    for name, reason in bodies.skipped:
-        census.skips.append(Skip(name, f"batch norm in its branch functions is not rewritten: {reason}"))
-    sites = []
-    for site in census.sites:
-        if functions.in_body(site.name):
-            exits = functions.statistic_outputs(graph, bodies, site.name, site.statistics)
-            site = replace(site, exits=tuple(exits))
-            if site.kind == "fused" and not site.grads and _has_training_grad(graph, site.name):
-                census.skips.append(Skip(site.name, "its gradient function could not be paired with it"))
-                continue
-        sites.append(site)
-    census.sites = sites
-
-
-def _has_training_grad(graph: Graph, site: str) -> bool:
-    prefix = site.split(functions.BODY_MARK)[0] + functions.BODY_MARK
-    return any(
-        n.name.startswith(prefix) and n.op in FUSED_GRAD and ("is_training" not in n.attr or n.attr["is_training"].b)
-        for n in graph
-    )
-
-
-def _plan_without_shared_body_updates(graph: Graph, census: Any, options: Options) -> Plan:
-    """make_plan, after dropping layers whose moving averages are updated inside branch functions
-    on variables the towers share (that would need deduplication inside functions), or whose
-    statistics enter functional control flow that bnrewrite does not search for updates."""
-    plan = make_plan(graph, census, options)
-    doomed: dict[str, str] = {}
-    for group in plan.groups:
-        writers: dict[str, set[str]] = {}
-        for site in group.sites:
-            for update in site.updates:
-                writers.setdefault(update.variable, set()).add(site.name)
-        for site in group.sites:
-            for update in site.updates:
-                if functions.in_body(update.node) and len(writers[update.variable]) > 1:
-                    doomed.update({s.name: (
-                        f"its moving average {update.variable} is shared by the towers and updated inside a branch "
-                        "function; deduplicating updates inside functions is not supported, so this layer keeps "
-                        "per-tower statistics") for s in group.sites})
-            if site.opaque:
-                doomed.update({s.name: (
-                    f"its batch statistics enter {site.opaque[0]} ({graph.node(site.opaque[0]).op}), whose functions "
-                    "are not searched for moving-average updates (e.g. tf_keras batch renormalization with a "
-                    "training tensor under control flow v2); left unsynced: build the graph with "
-                    "tf.compat.v1.disable_control_flow_v2() to have it synchronized") for s in group.sites})
-    if not doomed:
-        return plan
-    census.skips.extend(Skip(name, reason) for name, reason in doomed.items())
-    census.sites = [s for s in census.sites if s.name not in doomed]
-    if not census.sites:
-        raise NoBatchNormError("no batch-norm layer left to synchronize: " + census.skips[-1].reason)
-    return make_plan(graph, census, options)
+def take_census(model: Graph) -> tuple[Graph, functions.Bodies | None, Census]:
+    """The graph with its If branches flattened beside it, those branches, and every batch-norm
+    op found in both and in the rest of the function library: what the rewrite (and `inspect`) see."""
+    combined, bodies = functions.flatten(model)
+    census = scan(combined)
+    if model.library is not None and not census.rewritten:  # marks in branch functions left unflattened
+        census.rewritten.extend(
+            f"{f.signature.name}/{n.name}" for f in model.library.function for n in f.node_def if MARK in n.attr
+        )
+    if bodies is not None:
+        functions.adopt_sites(combined, bodies, census, functions.called_functions(model))
+    return combined, bodies, census
 
 
 def _as_protos(
@@ -270,7 +211,7 @@ def _drop_from_collections(meta: meta_graph_pb2.MetaGraphDef, removed: set[str])
             collection.node_list.value.extend(kept)
 
 
-def _report(plan: Plan, records: list[PassRecord], census: Any, before: int, after: int) -> Report:
+def _report(plan: Plan, records: list[PassRecord], census: Census, before: int, after: int) -> Report:
     report = Report(
         backend=plan.backend,
         tower_by=plan.towers.by,

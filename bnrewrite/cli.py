@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -29,7 +30,7 @@ USAGE = 2
 EXIT_CODES: list[tuple[int, str, str]] = [
     (0, "", "success (convert wrote OUT, or --dry-run/inspect/diff found no problem)"),
     (1, "BnRewriteError", "other bnrewrite error (e.g. an option that does not fit the graph: --group-size, --tags on a graph file)"),
-    (USAGE, "", "usage error: unknown command or option, missing argument"),
+    (USAGE, "", "usage error: unknown command or option, missing argument, --workers N without --task-index"),
     *((cls.exit_code, cls.__name__, (cls.__doc__ or "").strip().splitlines()[0]) for cls in (
         errors.InputFormatError, errors.NoBatchNormError, errors.InferenceOnlyError, errors.NoTowersError,
         errors.TowerMismatchError, errors.AlreadyRewrittenError, errors.BackendError, errors.OutputError,
@@ -156,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--dry-run", action="store_true", help="do everything but write OUT (--report, --dot, --tensorboard are still written)")
     out.add_argument("--verify", action="store_true", help="import the result into TensorFlow (never run it) and fail if it does not import")
     out.add_argument("--report", metavar="FILE.json", help="write the report as JSON (schema: README.md, 'Report schema')")
-    out.add_argument("--dot", metavar="FILE.dot", help="write a Graphviz picture of one rewritten layer before/after (.dot; .svg/.png need Graphviz's dot)")
+    out.add_argument("--dot", metavar="FILE", help="write a picture of one rewritten layer before/after: .dot/.gv (Graphviz text), "
+                     ".svg/.png (rendered by Graphviz's dot, else by the graphviz-pure dependency)")
     out.add_argument("--dot-layer", metavar="LAYER", help="the layer --dot draws (default: the first one)")
     out.add_argument("--tensorboard", metavar="LOGDIR", help="write the graphs before and after as TensorBoard runs LOGDIR/before and LOGDIR/after")
     _verbosity(convert)
@@ -206,7 +208,8 @@ def _rewrite_options(parser: argparse.ArgumentParser) -> None:
                        help="collective all-reduce timeout, so a missing peer fails instead of hanging (0: none)")
     group.add_argument("--workers", type=_positive_int, default=1, metavar="N",
                        help="between-graph replication: N identical workers (collective backend)")
-    group.add_argument("--task-index", type=_non_negative_int, default=0, metavar="I", help="this worker's index, 0..N-1")
+    group.add_argument("--task-index", type=_non_negative_int, metavar="I",
+                       help="this worker's index, 0..N-1 (required with --workers N > 1)")
     group.add_argument("--tags", action="append", metavar="T1,T2",
                        help="SavedModels: rewrite only the MetaGraph with exactly these tags (repeatable; default: all)")
 
@@ -252,12 +255,16 @@ def _non_negative_float(text: str) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    problem = _replication_problem(args)
+    if problem is not None:
+        _print_error(f"{problem} (see '{PROG} {args.command} --help')")
+        return USAGE
     if not args.verbose:
         _quiet_tensorflow()
     try:
         return int(args.func(args) or 0)
     except BnRewriteError as exc:
-        _print_error(str(exc))
+        _print_error(cli_wording(str(exc)))
         return exc.exit_code
     except KeyboardInterrupt:
         _print_error("interrupted; nothing was written")
@@ -273,6 +280,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             "(a bnrewrite bug: please report it with the command you ran; -v shows the traceback)"
         )
         return INTERNAL_ERROR
+
+
+#: The keyword arguments of rewrite_graph and check -> the options that set them.
+_FLAGS = {
+    "backend": "--backend", "tower_by": "--tower-by", "group_size": "--group-size",
+    "timeout_seconds": "--timeout", "num_workers": "--workers", "task_index": "--task-index",
+    "towers": "--towers", "steps": "--steps",  # bnrewrite.check's
+}
+_KEYWORD = re.compile(r"\b(" + "|".join(_FLAGS) + r")=\"?([\w.]*)\"?|\b(" + "|".join(k for k in _FLAGS if "_" in k) + r")\b")
+
+
+def cli_wording(message: str) -> str:
+    """An error message of the Python API in the command line's words: `backend="collective"`
+    becomes `--backend collective`, `group_size` `--group-size`."""
+    def flag(match: re.Match[str]) -> str:
+        if match.group(3):
+            return _FLAGS[match.group(3)]
+        return f"{_FLAGS[match.group(1)]} {match.group(2)}"
+
+    return _KEYWORD.sub(flag, message)
 
 
 def _print_error(message: str) -> None:
@@ -372,8 +399,21 @@ def _import_tensorflow() -> None:
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "backend": args.backend, "tower_by": args.tower_by, "group_size": args.group_size,
-        "timeout_seconds": args.timeout, "num_workers": args.workers, "task_index": args.task_index,
+        "timeout_seconds": args.timeout, "num_workers": args.workers,
+        "task_index": args.task_index if args.task_index is not None else 0,
     }
+
+
+def _replication_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with --workers/--task-index together: a worker must say which one it is."""
+    workers, index = getattr(args, "workers", 1), getattr(args, "task_index", None)
+    if workers > 1 and index is None:
+        return f"--workers {workers} needs --task-index I, this worker's index (0..{workers - 1})"
+    if index is not None and index >= workers:
+        if workers == 1:
+            return f"--task-index {index} needs --workers N, the number of workers (more than {index})"
+        return f"--task-index {index} is not one of the {workers} workers (0..{workers - 1})"
+    return None
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -496,7 +536,7 @@ def _document(command: str, args: argparse.Namespace, model: Any, rewrite: Any, 
         graphs.append({
             "tags": list(entry.tags) if entry.tags is not None else None,
             "status": status,
-            "reason": outcome.kept if outcome is not None else "",
+            "reason": str(outcome.kept) if outcome is not None and outcome.kept is not None else None,
             "report": outcome.report.to_dict() if outcome is not None and outcome.report is not None else None,
         })
     document: dict[str, Any] = {
@@ -576,8 +616,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     outcomes = []
     for entry in chosen:
         head = f"MetaGraph {entry.label}: " if model.is_saved_model else ""
-        if not args.json:
-            _print_census(out, entry, head)
+        skips = _print_census(out, entry, head) if not args.json else []
         idle_ok = model.is_saved_model and tag_sets is None
         try:
             single = io.Model(model.path, model.format, [entry], model.saved_model, model.graph_file)
@@ -585,7 +624,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         except BnRewriteError as exc:
             failure = failure or exc
             if not args.json:
-                out.line(f"{head}convert would fail: {_one_line(str(exc), 2000)}")
+                _print_unsupported(out, skips)
+                out.line(f"{head}convert would fail: {_one_line(cli_wording(str(exc)), 2000)}")
                 out.line("")
             continue
         outcomes.append(outcome)
@@ -593,13 +633,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             failure = failure or errors.AlreadyRewrittenError(
                 f"{head}{args.input} was already rewritten by bnrewrite; convert would refuse it: rewrite the original graph instead")
         if not args.json:
+            if outcome.report is None:
+                _print_unsupported(out, skips)
             _print_plan(out, outcome, head)
-    if failure is None and model.is_saved_model and outcomes and not any(o.report for o in outcomes):
-        failure = errors.InferenceOnlyError(f"no MetaGraph of {args.input} has anything to rewrite ({outcomes[0].kept})")
+    if failure is None:
+        failure = io.nothing_rewritten(model, outcomes)
     if args.json:
         document = _document("inspect", args, model, io.Rewrite(model, outcomes))
         if failure is not None:
-            document["error"] = {"class": type(failure).__name__, "exit_code": failure.exit_code, "message": str(failure)}
+            document["error"] = {"class": type(failure).__name__, "exit_code": failure.exit_code,
+                                 "message": cli_wording(str(failure))}
         print(json.dumps(document, indent=2))
     elif failure is None:
         out.line("convert would succeed")
@@ -608,11 +651,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_census(out: _Printer, entry: Any, head: str) -> None:
+def _print_census(out: _Printer, entry: Any, head: str) -> list[Any]:
+    """Print how many batch-norm ops of each kind the rewrite finds; returns those it skips
+    (the report lists them when there is one)."""
+    from bnrewrite.api import take_census
     from bnrewrite.graph import Graph
-    from bnrewrite.match.sites import scan
 
-    census = scan(Graph.from_graph_def(entry.graph_def))
+    _, _, census = take_census(Graph.from_graph_def(entry.graph_def))
     out.line(f"{head}batch-norm ops: {len(census.sites)} in training mode, {len(census.inference)} in inference mode"
              + (f", {len(census.skips)} unsupported" if census.skips else "")
              + (f", {len(census.rewritten)} nodes already rewritten by bnrewrite" if census.rewritten else ""))
@@ -621,7 +666,11 @@ def _print_census(out: _Printer, entry: Any, head: str) -> None:
             out.line(f"  {site.name} ({site.op}, {site.data_format}, on {site.device or '(no device)'}, {len(site.grads)} gradient op(s))")
         for name in census.inference:
             out.line(f"  {name} (inference mode)")
-    for skip in census.skips:
+    return census.skips
+
+
+def _print_unsupported(out: _Printer, skips: list[Any]) -> None:
+    for skip in skips:
         out.line(f"  unsupported: {skip.node}: {skip.reason}")
 
 
@@ -637,6 +686,7 @@ def _print_plan(out: _Printer, outcome: Any, head: str) -> None:
         return
     towers = report.towers
     out.line(f"{head}towers ({report.tower_by}): {', '.join(towers)}")
+    out.line(f"layout: {report.layout}")
     if len(report.sync_groups) > 1:
         out.line("sync groups: " + "; ".join("[" + ", ".join(g) + "]" for g in report.sync_groups))
     out.line("batch-norm sites per tower:")
@@ -646,7 +696,8 @@ def _print_plan(out: _Printer, outcome: Any, head: str) -> None:
             per = len(row.gradients) // max(len(row.towers), 1)
             grads = row.gradients[k * per:(k + 1) * per]
             site = row.sites[k] if k < len(row.sites) else "?"
-            out.line(f"    {row.layer}: {site}" + (f"  (gradient: {', '.join(grads)})" if grads else "  (no gradient op)"))
+            paired = "" if row.lined_up_by == "shared variables" else f"  [lined up by {row.lined_up_by}]"
+            out.line(f"    {row.layer}: {site}" + (f"  (gradient: {', '.join(grads)})" if grads else "  (no gradient op)") + paired)
     out.line("")
     out.line("convert would:")
     for row in report.layers:
@@ -658,8 +709,10 @@ def _print_plan(out: _Printer, outcome: Any, head: str) -> None:
         kept = [u for row in report.layers for u in row.updates_kept]
         out.line(f"  remove {len(report.removed)} op(s): duplicate moving-average updates and what only fed them "
                  f"(one update per statistic is kept: {', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})")
-    out.line("")
-    out.block(report_text(report, out.is_verbose))
+        for removed in report.removed if out.is_verbose else ():
+            out.line(f"    {removed['node']}: {removed['why']}")
+    for line in report.closing_lines():
+        out.line(line)
     out.line("")
 
 
@@ -681,7 +734,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     pairs = _pair_entries(io, a, b, tag_sets, args)
     results = []
     for label, ea, eb in pairs:
-        d = diff_entries(ea.graph_def, eb.graph_def)
+        d = diff_entries(_with_removed_marked(ea.graph_def, eb.graph_def), eb.graph_def)
         d["tags"] = list(ea.tags) if ea.tags is not None else None
         results.append((label, d))
     if args.json:
@@ -696,6 +749,54 @@ def cmd_diff(args: argparse.Namespace) -> int:
             out.line(f"MetaGraph {label}:")
         _print_diff(out, d)
     return 0
+
+
+def _with_removed_marked(a: Any, b: Any, depth: int = 8) -> Any:
+    """A, its nodes that B no longer has marked with the layer they belonged to, as convert's
+    report names it: the layer of the nearest node upstream that B marks (the batch-norm op
+    whose statistic a removed moving-average update read). diff_entries otherwise tells a
+    removed node's layer only from its name, which a hand-written update (`tower_1/AssignMovingAvg`)
+    does not carry. Removed nodes joined by edges (an update and what only fed it) share a layer."""
+    from bnrewrite.graph import parse_input
+    from bnrewrite.nodes import MARK
+
+    in_b = {n.name: n for n in b.node}
+    layer_in_b = {name: n.attr[MARK].s.decode() for name, n in in_b.items() if MARK in n.attr}
+    nodes = {n.name: n for n in a.node}
+    removed = {name for name, n in nodes.items() if name not in in_b and MARK not in n.attr}
+    if not removed or not layer_in_b:
+        return a
+    parent = {name: name for name in removed}
+
+    def root(name: str) -> str:
+        while parent[name] != name:
+            parent[name] = parent[parent[name]]
+            name = parent[name]
+        return name
+
+    for name in removed:
+        for spec in nodes[name].input:
+            source = parse_input(spec)[0]
+            if source in removed:
+                parent[root(source)] = root(name)
+    components: dict[str, list[str]] = {}
+    for name in removed:
+        components.setdefault(root(name), []).append(name)
+    marked = type(a)()
+    marked.CopyFrom(a)
+    by_name = {n.name: n for n in marked.node}
+    for members in components.values():
+        seen, frontier, layer = set(members), list(members), None
+        for _ in range(depth):
+            sources = [parse_input(spec)[0] for name in frontier for spec in nodes[name].input if spec]
+            frontier = [s for s in dict.fromkeys(sources) if s in nodes and s not in seen]
+            seen.update(frontier)
+            layer = next((layer_in_b[s] for s in frontier if s in layer_in_b), None)
+            if layer is not None or not frontier:
+                break
+        for name in members if layer is not None else ():
+            by_name[name].attr[MARK].s = layer.encode()
+    return marked
 
 
 def _pair_entries(io: Any, a: Any, b: Any, tag_sets: Any, args: argparse.Namespace) -> list[tuple[str, Any, Any]]:

@@ -48,7 +48,7 @@ def choose_backend(backend: str, devices: list[Device], num_workers: int = 1) ->
         backend = "nccl" if on_gpu and num_workers == 1 else "collective"
     if backend == "nccl" and not on_gpu:
         others = sorted({str(d) or "(no device)" for d in devices if d.type != "GPU"})
-        raise BackendError(f"backend nccl needs every tower on a GPU, but towers sit on {', '.join(others)}; use --backend collective")
+        raise BackendError(f"backend nccl needs every tower on a GPU, but towers sit on {', '.join(others)}; use backend=\"collective\"")
     if len(set(devices)) != len(devices):
         raise BackendError(
             "towers share a device (" + ", ".join(str(d) or "(no device)" for d in devices)

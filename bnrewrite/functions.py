@@ -15,13 +15,14 @@ order_collectives added across function boundaries (they cannot be expressed).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tensorflow.core.framework import function_pb2, node_def_pb2
 from tensorflow.python.framework import op_def_registry
 
 from bnrewrite.errors import PassError
 from bnrewrite.graph import Graph, parse_input, tensor_name
+from bnrewrite.match.sites import FUSED_GRAD, Census, Skip
 from bnrewrite.nodes import BODY_MARK, MARK
 
 IF_OPS = frozenset({"If", "StatelessIf"})
@@ -347,3 +348,38 @@ def _write_body(graph: Graph, body: Body, nodes: list[node_def_pb2.NodeDef], own
     function.node_def.extend(out_nodes)
     for key, spec in body.ret.items():
         function.ret[key] = convert(spec)  # type: ignore[assignment]
+
+
+def adopt_sites(graph: Graph, bodies: Bodies, census: Census, called: set[str]) -> None:
+    """Sites in If branches leave through the If's outputs; skips and inference-mode batch norm
+    counted in the function library name only what stays unflattened and is called."""
+    flattened = bodies.functions
+
+    def still_reported(node: str) -> bool:
+        if not node.startswith("function "):
+            return True
+        name = node[len("function "):].split("/", 1)[0]
+        return name not in flattened and name in called  # uncalled functions are dead code
+
+    census.skips = [s for s in census.skips if still_reported(s.node)]
+    census.inference = [n for n in census.inference if still_reported(n)]
+    for name, reason in bodies.skipped:
+        census.skips.append(Skip(name, f"batch norm in its branch functions is not rewritten: {reason}"))
+    sites = []
+    for site in census.sites:
+        if in_body(site.name):
+            exits = statistic_outputs(graph, bodies, site.name, site.statistics)
+            site = replace(site, exits=tuple(exits))
+            if site.kind == "fused" and not site.grads and _has_training_grad(graph, site.name):
+                census.skips.append(Skip(site.name, "its gradient function could not be paired with it"))
+                continue
+        sites.append(site)
+    census.sites = sites
+
+
+def _has_training_grad(graph: Graph, site: str) -> bool:
+    prefix = site.split(BODY_MARK)[0] + BODY_MARK
+    return any(
+        n.name.startswith(prefix) and n.op in FUSED_GRAD and ("is_training" not in n.attr or n.attr["is_training"].b)
+        for n in graph
+    )

@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from bnrewrite.collectives import Collective, choose_backend
-from bnrewrite.errors import BnRewriteError, NoTowersError, TowerMismatchError
+from bnrewrite.errors import BnRewriteError, NoBatchNormError, NoTowersError, TowerMismatchError
+from bnrewrite.functions import in_body
 from bnrewrite.graph import Graph
-from bnrewrite.match.sites import Census, Site
+from bnrewrite.match.sites import Census, Site, Skip
 from bnrewrite.match.towers import LayerGroup, Towers, group_towers
 from bnrewrite.match.updates import find_updates
 
@@ -76,13 +77,46 @@ def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
     if options.num_workers > 1 and size != len(towers.ids):
         raise BnRewriteError("sync groups within a worker cannot be combined with several workers; drop group_size")
     if options.num_workers > 1 and options.backend == "nccl":
-        raise BnRewriteError("NcclAllReduce works inside one process; with several workers use backend collective")
+        raise BnRewriteError('NcclAllReduce works inside one process; with several workers use backend="collective"')
     if size * options.num_workers < 2 or len(towers.ids) % size:
         raise BnRewriteError(f"group size {size} must be at least 2 and divide the number of towers ({len(towers.ids)})")
     sync_groups = tuple(towers.ids[i:i + size] for i in range(0, len(towers.ids), size))
     devices = [site.device for site in towers.groups[0].sites]
     backend = choose_backend(options.backend, devices, options.num_workers)
     return Plan(towers, backend, sync_groups, options)
+
+
+def plan_without_shared_body_updates(graph: Graph, census: Census, options: Options) -> Plan:
+    """make_plan, after dropping layers whose moving averages are updated inside branch functions
+    on variables the towers share (that would need deduplication inside functions), or whose
+    statistics enter functional control flow that bnrewrite does not search for updates."""
+    plan = make_plan(graph, census, options)
+    doomed: dict[str, str] = {}
+    for group in plan.groups:
+        writers: dict[str, set[str]] = {}
+        for site in group.sites:
+            for update in site.updates:
+                writers.setdefault(update.variable, set()).add(site.name)
+        for site in group.sites:
+            for update in site.updates:
+                if in_body(update.node) and len(writers[update.variable]) > 1:
+                    doomed.update({s.name: (
+                        f"its moving average {update.variable} is shared by the towers and updated inside a branch "
+                        "function; deduplicating updates inside functions is not supported, so this layer keeps "
+                        "per-tower statistics") for s in group.sites})
+            if site.opaque:
+                doomed.update({s.name: (
+                    f"its batch statistics enter {site.opaque[0]} ({graph.node(site.opaque[0]).op}), whose functions "
+                    "are not searched for moving-average updates (e.g. tf_keras batch renormalization with a "
+                    "training tensor under control flow v2); left unsynced: build the graph with "
+                    "tf.compat.v1.disable_control_flow_v2() to have it synchronized") for s in group.sites})
+    if not doomed:
+        return plan
+    census.skips.extend(Skip(name, reason) for name, reason in doomed.items())
+    census.sites = [s for s in census.sites if s.name not in doomed]
+    if not census.sites:
+        raise NoBatchNormError("no batch-norm layer left to synchronize: " + census.skips[-1].reason)
+    return make_plan(graph, census, options)
 
 
 def _with_updates(graph: Graph, site: Site) -> Site:

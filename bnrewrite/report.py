@@ -83,6 +83,13 @@ class Report:
             lines.append("")
             lines.append(f"removed {len(self.removed)} op(s):")
             lines.extend(f"  {r['node']}: {r['why']}" for r in self.removed)
+        lines.extend(self.closing_lines())
+        return "\n".join(lines) + "\n"
+
+    def closing_lines(self) -> list[str]:
+        """The sites skipped (with why), the notes and the totals: the end of the text report,
+        which `bnrewrite inspect` prints after its own account of the layers."""
+        lines = []
         if self.skipped:
             lines.append("")
             lines.append(f"skipped {len(self.skipped)} site(s):")
@@ -94,4 +101,4 @@ class Report:
             f"{len(self.removed)} ops removed, {len(self.skipped)} sites skipped, "
             f"{self.nodes_before} -> {self.nodes_after} nodes"
         )
-        return "\n".join(lines) + "\n"
+        return lines

@@ -94,18 +94,18 @@ def check(backend: str = "auto", towers: int | None = None, steps: int = 4, time
     if backend not in ("auto", "nccl", "collective"):
         raise BackendError(f"unknown backend {backend!r}; choose auto, nccl or collective")
     if steps < 2:
-        raise BackendError(f"--steps {steps}: the check needs at least 2 steps (the first is not timed)")
+        raise BackendError(f"steps={steps}: the check needs at least 2 steps (the first is not timed)")
     if towers is not None and towers < 2:
-        raise BackendError(f"--towers {towers}: synchronizing needs 2 or more towers")
+        raise BackendError(f"towers={towers}: synchronizing needs 2 or more towers")
     gpus = _gpu_count(timeout_seconds)
     skipped = []
     if backend == "auto":
         backend = "nccl" if gpus >= 2 else "collective"
         if backend == "collective":
             skipped.append(f"nccl: skipped: TensorFlow sees {gpus} GPU(s) here; NCCL needs 2 or more "
-                           "(--backend nccl --towers 2 tries two logical GPUs on one)")
+                           "(with one GPU, --backend nccl --towers 2 tries two logical GPUs on it)")
     if backend == "nccl" and not gpus:
-        raise BackendError("--backend nccl needs GPUs, and TensorFlow sees none here; use --backend collective")
+        raise BackendError('backend="nccl" needs GPUs, and TensorFlow sees none here; use backend="collective"')
     device = "gpu" if backend == "nccl" else "cpu"
     towers = towers or max(gpus if backend == "nccl" else 2, 2)
     logical = device == "gpu" and towers > gpus

@@ -5,11 +5,15 @@ The DOT picture holds, for the first two towers of one layer: before, the batch-
 gradient ops and moving-average updates with their direct inputs and consumers; after, every
 node bnrewrite added or replaced for that layer (its `_bnrewrite` attribute names the layer)
 with their direct inputs and consumers, the all-reduces highlighted, and the ops the rewrite
-removed drawn dashed.
+removed drawn dashed. A node's consumers beyond a few (its own scope's first) are drawn as one
+"N more consumers" node, so the picture's size does not grow with the depth of the net.
+`.svg`/`.png` are rendered by a system Graphviz `dot` if there is one, else by the graphviz-pure
+dependency (no system Graphviz needed).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import posixpath
 import shutil
@@ -23,8 +27,14 @@ from bnrewrite.errors import BnRewriteError, OutputError
 MARK = "_bnrewrite"  # = bnrewrite.nodes.MARK (not imported: that module imports TensorFlow)
 COLLECTIVE_OPS = frozenset({"NcclAllReduce", "CollectiveReduceV2"})  # = bnrewrite.collectives
 INSTANCE_ATTR = "_bnrewrite_instance"
+_TEXT = frozenset({".dot", ".gv"})
 _RENDERED = {".svg": "svg", ".png": "png", ".pdf": "pdf"}
+# The graphviz-pure dependency (a static port of Graphviz's dot) renders these without a system Graphviz.
+_BUNDLED = "graphviz-pure"
+_BUNDLED_FORMATS = frozenset({"svg", "png"})
 _TOWERS_SHOWN = 2
+# Consumers drawn per node: a constant the rewrite shares across layers would pull every layer in.
+_CONSUMERS_SHOWN = 6
 
 
 # ---------------------------------------------------------------------------
@@ -101,13 +111,36 @@ def diff_entries(a: Any, b: Any) -> dict[str, Any]:
 
 
 def check_target(path: str) -> None:
-    """Fail early when the picture's format needs Graphviz and it is not installed."""
+    """Fail before the rewrite when the picture's extension is unknown or nothing can render it."""
     ext = os.path.splitext(path)[1].lower()
-    if ext in _RENDERED and shutil.which("dot") is None:
-        raise OutputError(
-            f"--dot {path} needs Graphviz's 'dot' program to render {ext[1:].upper()}, and it is not installed; "
-            f"write {os.path.splitext(path)[0]}.dot instead and render it with 'dot -T{_RENDERED[ext]}'"
-        )
+    if ext not in _TEXT and ext not in _RENDERED:
+        raise OutputError(f"--dot {path}: unknown picture format {ext or '(no extension)'!r}; "
+                          "use .dot or .gv (Graphviz text), .svg or .png")
+    if ext in _RENDERED:
+        _program(path)
+
+
+def _program(path: str) -> str:
+    """The program that renders `path`'s format: Graphviz's own dot when installed, else graphviz-pure."""
+    stem, ext = os.path.splitext(path)
+    fmt = _RENDERED[ext.lower()]
+    program = shutil.which("dot") or (_bundled() if fmt in _BUNDLED_FORMATS else None)
+    if program is None:
+        fix = ("install Graphviz (its dot writes PDF)" if fmt not in _BUNDLED_FORMATS
+               else f"reinstall bnrewrite (its dependency {_BUNDLED} renders SVG and PNG) or install Graphviz")
+        raise OutputError(f"--dot {path}: nothing here renders {fmt.upper()}; {fix}, or write {stem}.dot")
+    return program
+
+
+def _bundled() -> str | None:
+    """graphviz-pure's program, found through its install record: the scripts directory of a
+    venv or a --user install need not be on PATH."""
+    try:
+        files = importlib.metadata.files(_BUNDLED) or []
+    except importlib.metadata.PackageNotFoundError:
+        return shutil.which(_BUNDLED)
+    programs = [str(f.locate()) for f in files if f.name in (_BUNDLED, _BUNDLED + ".exe")]
+    return next((p for p in programs if os.access(p, os.X_OK)), None) or shutil.which(_BUNDLED)
 
 
 def stage(outputs: Any, path: str, rewrite: Any, layer: str | None) -> str:
@@ -116,16 +149,25 @@ def stage(outputs: Any, path: str, rewrite: Any, layer: str | None) -> str:
     text = layer_dot(outcome.entry.graph_def, outcome.result.graph_def, outcome.report, row.layer)
     ext = os.path.splitext(path)[1].lower()
     if ext in _RENDERED:
-        try:
-            rendered = subprocess.run(["dot", f"-T{_RENDERED[ext]}"], input=text.encode(), capture_output=True,
-                                      check=True, timeout=120).stdout
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise OutputError(f"Graphviz could not render {path} ({exc}); write a .dot file instead") from None
-        outputs.stage_bytes(path, rendered)
+        outputs.stage_bytes(path, _render(text, path))
         return f"{path}: layer {row.layer} before/after"
     outputs.stage_bytes(path, text.encode())
-    render = "render it with" if shutil.which("dot") else "Graphviz is not installed here; render it elsewhere with"
-    return f"{path}: layer {row.layer} before/after as Graphviz DOT text; {render} 'dot -Tsvg {path} -o layer.svg'"
+    return (f"{path}: layer {row.layer} before/after as Graphviz DOT text; "
+            f"for a picture pass --dot {os.path.splitext(path)[0]}.svg (or .png)")
+
+
+def _render(text: str, path: str) -> bytes:
+    """DOT `text` in `path`'s format; a failure names the renderer's own last error line."""
+    program = _program(path)
+    fmt = _RENDERED[os.path.splitext(path)[1].lower()]
+    try:
+        return subprocess.run([program, f"-T{fmt}"], input=text.encode(), capture_output=True, check=True,
+                              timeout=120).stdout
+    except subprocess.CalledProcessError as exc:
+        detail = (exc.stderr.decode(errors="replace").strip().splitlines() or [f"exit status {exc.returncode}"])[-1]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        detail = str(exc)
+    raise OutputError(f"{os.path.basename(program)} could not render {path} ({detail}); write a .dot file instead")
 
 
 def _pick_layer(rewrite: Any, layer: str | None) -> tuple[Any, Any]:
@@ -240,6 +282,11 @@ def _why(why: str) -> str:
     return why[:40]
 
 
+def _shared_scope(a: str, b: str) -> int:
+    """How many leading name scopes `a` and `b` share: a node's own layer's consumers are drawn first."""
+    return len(os.path.commonprefix([a.split("/"), b.split("/")]))
+
+
 def _cluster(tag: str, title: str, nodes: dict[str, Any], core: list[str], removed: dict[str, str], status: Any,
              removed_from: dict[str, Any] | None = None) -> list[str]:
     from bnrewrite.graph import parse_input
@@ -251,14 +298,15 @@ def _cluster(tag: str, title: str, nodes: dict[str, Any], core: list[str], remov
             src, out = parse_input(spec)
             consumers[src].append((node.name, out < 0))
     context: dict[str, None] = {}
+    outside: dict[str, list[str]] = {}  # core node -> its consumers outside the core, in graph order
     for name in core_set:
         for spec in nodes[name].input:
             src, _ = parse_input(spec)
             if src in nodes and src not in core_set:
                 context[src] = None
-        for consumer, _ in consumers.get(name, ()):
-            if consumer not in core_set:
-                context[consumer] = None
+        found = dict.fromkeys(c for c, _ in consumers.get(name, ()) if c not in core_set)
+        outside[name] = sorted(found, key=lambda c: _shared_scope(c, name), reverse=True)  # stable: graph order
+        context.update(dict.fromkeys(outside[name][:_CONSUMERS_SHOWN]))
     everything = {**core_set, **context}
     prefix = os.path.commonprefix([n for n in core_set]).rsplit("/", 1)[0] if len(core_set) > 1 else ""
     ident = lambda name: _quote(f"{tag}:{name}")
@@ -274,6 +322,12 @@ def _cluster(tag: str, title: str, nodes: dict[str, Any], core: list[str], remov
             src, out = parse_input(spec)
             if src in removed or src in everything:
                 lines.append(f"    {ident(src)} -> {ident(name)} [style=dashed, color=\"#d62828\"];")
+    for name, names in outside.items():
+        hidden = sum(c not in everything for c in names)
+        if hidden:
+            label = f"{hidden} more consumer{'s' if hidden > 1 else ''}"
+            lines.append(f"    {ident(name + '/...')} [label={_quote(label)}, {_STYLE['context']}];")
+            lines.append(f"    {ident(name)} -> {ident(name + '/...')} [style=dotted];")
     for name in everything:
         for spec in nodes[name].input:
             src, out = parse_input(spec)

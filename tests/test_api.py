@@ -212,14 +212,27 @@ def test_bad_input_raises_specific_error(make, error, message):
 
 def test_bad_options():
     graph = build_towers(Spec(towers=2)).graph
-    with pytest.raises(bnrewrite.BackendError, match="nccl needs every tower on a GPU"):
-        rewrite_graph(graph, backend="nccl")
+    with pytest.raises(bnrewrite.BackendError, match='nccl needs every tower on a GPU.*; use backend="collective"$'):
+        rewrite_graph(graph, backend="nccl")  # in Python's words, not the command line's
+    with pytest.raises(bnrewrite.BnRewriteError, match='with several workers use backend="collective"$'):
+        rewrite_graph(graph, backend="nccl", num_workers=2, task_index=0)
     with pytest.raises(bnrewrite.BackendError, match="unknown backend"):
         rewrite_graph(graph, backend="mpi")
     with pytest.raises(bnrewrite.BnRewriteError, match="divide"):
         rewrite_graph(build_towers(Spec(towers=4)).graph, group_size=3)
     with pytest.raises(bnrewrite.BnRewriteError, match="takes a tf.Graph"):
         rewrite_graph("model.pb")
+
+
+def test_inference_batch_norm_in_v2_branches_is_counted_once():
+    """The else branch's inference-mode batch norm, flattened beside the graph, is not counted
+    again from the function library (which counts it when the branch stays unflattened)."""
+    from bnrewrite.api import take_census
+
+    graph = build_towers(Spec(towers=2, layer="legacy_cond_v2")).graph
+    _, _, census = take_census(Graph.from_graph_def(graph.as_graph_def()))
+    assert (len(census.sites), len(census.inference)) == (4, 4)
+    assert all("/_fn_else/" in name for name in census.inference)
 
 
 @pytest.mark.parametrize("layer", ["legacy", "legacy_cond_v1", "moments_cond_v2"])

@@ -159,7 +159,7 @@ def test_convert_outputs_report_dot_tensorboard(session):
     assert report["schema_version"] == 1 and report["command"] == "convert"
     assert report["input"]["format"] == "pb" and report["output"]["written"] is True
     (graph,) = report["graphs"]
-    assert graph["status"] == "rewritten"
+    assert graph["status"] == "rewritten" and graph["reason"] is None
     body = graph["report"]
     assert body["totals"]["layers_synced"] == 2 and body["totals"]["collectives_added"] == 8
     assert [row["layer"] for row in body["layers"]] == ["net/bn1", "net/bn2"]
@@ -173,7 +173,7 @@ def test_convert_outputs_report_dot_tensorboard(session):
 def test_convert_saved_model_report(session):
     report = json.load(open(os.path.join(session.root, "saved.json")))
     assert [(g["tags"], g["status"]) for g in report["graphs"]] == [(["train"], "rewritten"), (["serve"], "kept")]
-    assert "inference mode" in report["graphs"][1]["reason"]
+    assert report["graphs"][0]["reason"] is None and "inference mode" in report["graphs"][1]["reason"]
     assert report["verified"] is True
 
 
@@ -268,7 +268,7 @@ def _bad_cases(files, work: str) -> dict:
         "one_tower": ([files.one_tower, "{out}"], 6, "only one tower"),
         "towers_do_not_line_up": ([files.mismatch, "{out}"], 7, "lines up"),
         "already_rewritten": ([os.path.join(inputs, "synced.pb"), "{out}"], 8, "already rewritten"),
-        "nccl_on_cpu": ([files.pb, "{out}", "--backend", "nccl"], 9, "GPU"),
+        "nccl_on_cpu": ([files.pb, "{out}", "--backend", "nccl"], 9, "GPU.*; use --backend collective$"),
         "out_equals_in": ([files.pb, files.pb, "--force"], 10, "is the input"),
         "out_exists": ([files.pb, "{existing}"], 10, "already exists; pass --force"),
         "out_dir_unwritable": ([files.pb, os.path.join(inputs, "a_file", "out.pb")], 10, "not a directory"),
@@ -393,16 +393,6 @@ def test_unexpected_errors_are_one_line(files, tmp_path, monkeypatch, capsys, ex
     assert os.listdir(tmp_path) == []
 
 
-def test_rendered_picture_needs_graphviz(files, tmp_path, monkeypatch, capsys):
-    from bnrewrite import cli, visualize
-
-    monkeypatch.setattr(visualize.shutil, "which", lambda name: None)
-    assert cli.main(["convert", files.pb, str(tmp_path / "out.pb"), "--dot", str(tmp_path / "layer.svg")]) == 10
-    err = capsys.readouterr().err
-    assert "needs Graphviz's 'dot' program" in err and "layer.dot" in err
-    assert os.listdir(tmp_path) == []
-
-
 def test_dot_layer_must_exist(files, tmp_path, capsys):
     from bnrewrite import cli
 
@@ -410,3 +400,117 @@ def test_dot_layer_must_exist(files, tmp_path, capsys):
     assert code == 1
     assert "choose one of net/bn1, net/bn2" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------
+# What a new user ran into (issue 13)
+# ---------------------------------------------------------------------------
+
+
+def _tf2_saved_model(path: str, batch_norm: bool) -> str:
+    """A TF2 SavedModel (tf.saved_model.save): a tf.function with an inference-mode
+    FusedBatchNormV3, or without batch norm; its ops live in the function library."""
+    import tensorflow as tf
+
+    class Net(tf.Module):
+        def __init__(self) -> None:
+            self.v = [tf.Variable(tf.ones([2]) * k) for k in (1.0, 0.0, 0.0, 1.0)]
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 4, 4, 2])])
+        def __call__(self, x):
+            if not batch_norm:
+                return x * self.v[0]
+            return tf.raw_ops.FusedBatchNormV3(x=x, scale=self.v[0], offset=self.v[1], mean=self.v[2],
+                                               variance=self.v[3], is_training=False).y
+
+    tf.saved_model.save(Net(), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tf2(tmp_path_factory):
+    """inspect, inspect --json and convert of TF2 SavedModels, with and without batch norm."""
+    root = tmp_path_factory.mktemp("tf2")
+    jobs = {}
+    for name, bn in (("no_bn", False), ("bn", True)):
+        model = _tf2_saved_model(str(root / name), bn)
+        jobs[(name, "inspect")] = (["inspect", model], None)
+        jobs[(name, "verbose")] = (["inspect", model, "-v"], None)
+        jobs[(name, "json")] = (["inspect", model, "--json"], None)
+        jobs[(name, "convert")] = (["convert", model, str(root / f"{name}_out"), "--report", str(root / f"{name}.json")], None)
+    return run_all(jobs)
+
+
+@pytest.mark.parametrize("name,code,error,message", [
+    ("no_bn", 4, "NoBatchNormError", "no batch-norm op"),
+    ("bn", 5, "InferenceOnlyError", "all 1 batch-norm ops are in inference mode"),
+])
+def test_tf2_saved_model_inspect_and_convert_agree(tf2, name, code, error, message):
+    convert = assert_one_error_line(tf2[(name, "convert")], code, message)
+    assert assert_one_error_line(tf2[(name, "inspect")], code, message) == convert
+    document = json.loads(tf2[(name, "json")].stdout)
+    assert document["error"]["class"] == error and document["error"]["exit_code"] == code
+    assert tf2[(name, "json")].returncode == code
+
+
+def test_inference_batch_norm_in_a_tf_function_is_counted(tf2):
+    assert "batch-norm ops: 0 in training mode, 1 in inference mode" in tf2[("bn", "inspect")].stdout
+    assert re.search(r"function __inference_\S+/FusedBatchNormV3 \(inference mode\)", tf2[("bn", "verbose")].stdout)
+    assert "0 in training mode, 0 in inference mode" in tf2[("no_bn", "inspect")].stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--workers", "2"], r"--workers 2 needs --task-index I"),
+    (["--task-index", "1"], r"--task-index 1 needs --workers N"),
+    (["--workers", "2", "--task-index", "2"], r"--task-index 2 is not one of the 2 workers \(0\.\.1\)"),
+])
+def test_workers_need_a_task_index(files, tmp_path, args, message):
+    proc = bnrewrite("convert", files.pb, str(tmp_path / "out.pb"), *args)
+    assert_one_error_line(proc, 2, message)
+    assert os.listdir(tmp_path) == []
+
+
+def test_inspect_shows_the_plan_once(session):
+    out = session.runs[("inspect", "pb")].stdout
+    assert out.count("net/bn1: replace") == 1
+    assert "synchronized across" not in out and "grads/tower" not in out, "convert's report printed again"
+    assert out.count("totals: 2 layers") == 1
+
+
+def _hand_written_updates(path: str) -> str:
+    """Two towers of fused batch norm whose moving-average updates sit outside the layer's scope
+    (`tower_k/AssignMovingAvg`), with gradients: the layer is `bn`, from its variables."""
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.python.training.moving_averages import assign_moving_average
+
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.compat.v1.variable_scope("bn"):
+            gamma, beta, mean, var = (tf.compat.v1.get_variable(n, initializer=np.full(2, v, np.float32), trainable=t)
+                                      for n, v, t in (("gamma", 1, True), ("beta", 0, True),
+                                                      ("moving_mean", 0, False), ("moving_variance", 1, False)))
+        ops = []
+        for k in range(2):
+            with tf.device(f"/cpu:{k}"), tf.name_scope(f"tower_{k}"):
+                x = tf.compat.v1.placeholder(tf.float32, [2, 3, 3, 2], name="x")
+                y, m, v = tf.compat.v1.nn.fused_batch_norm(x, gamma, beta, is_training=True)
+                ops += [assign_moving_average(mean, m, 0.9), assign_moving_average(var, v, 0.9)]
+                ops += tf.gradients(tf.reduce_sum(tf.square(y)), [x, gamma, beta])
+        tf.group(*ops, name="train_op")
+    with open(path, "wb") as f:
+        f.write(graph.as_graph_def().SerializeToString())
+    return path
+
+
+def test_diff_names_the_layer_of_hand_written_updates(tmp_path):
+    model = _hand_written_updates(str(tmp_path / "hand.pb"))
+    synced = str(tmp_path / "synced.pb")
+    convert = bnrewrite("convert", model, synced, "--report", str(tmp_path / "r.json"))
+    assert convert.returncode == 0, convert.stderr
+    removed = json.load(open(tmp_path / "r.json"))["graphs"][0]["report"]["removed"]
+    assert any(r["node"] == "tower_1/AssignMovingAvg" and "bn/moving_mean" in r["why"] for r in removed)
+    diff = bnrewrite("diff", model, synced)
+    assert diff.returncode == 0, diff.stderr
+    assert re.search(rf"^  bn: \d+ added, 4 replaced .*, {len(removed)} removed,", diff.stdout, re.MULTILINE), diff.stdout
+    assert not re.search(r"\(not in a layer\): \d+ added, [1-9]\d* removed", diff.stdout), diff.stdout

@@ -267,7 +267,7 @@ def _through_cli_path(data: bytes, log, suite: str, verify: bool = True) -> str:
     """What `bnrewrite convert --verify` does in-process: parse, validate, rewrite, verify, serialize."""
     try:
         kind, message = io.parse_bytes(data, "fuzz.pb")
-        model = io._model("fuzz.pb", kind, message)
+        model = io.make_model("fuzz.pb", kind, message)
         io.validate(model)
         rewrite = io.rewrite(model, None)
         if verify:

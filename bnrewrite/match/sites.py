@@ -185,6 +185,7 @@ def scan(graph: Graph) -> Census:
         else:
             census.sites.append(site)
     census.skips.extend(_sites_in_functions(graph))
+    census.inference.extend(_inference_in_functions(graph))
     return census
 
 
@@ -212,6 +213,19 @@ def _sites_in_functions(graph: Graph) -> list[Skip]:
                 "build the graph with tf.compat.v1.disable_control_flow_v2() to use Switch/Merge conditionals",
             ))
     return skips
+
+
+def _inference_in_functions(graph: Graph) -> list[str]:
+    """Inference-mode fused batch norm in the function library (a TF2 SavedModel's tf.function
+    bodies, v2 branches), as `function <name>/<node>`: counted like that of the GraphDef's nodes."""
+    if graph.library is None:
+        return []
+    return [
+        f"function {function.signature.name}/{node.name}"
+        for function in graph.library.function  # type: ignore[attr-defined]
+        for node in function.node_def
+        if node.op in FUSED_FORWARD and not _attr(node, "is_training", True)
+    ]
 
 
 _GRADIENTS_SCOPE = re.compile(r"gradients(_\d+)?$")

@@ -1,0 +1,106 @@
+"""Reading a model from disk: the path checks that need no TensorFlow, then parsing and validation."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from bnrewrite.errors import GraphValidationError, InputFormatError
+from bnrewrite.io.model import (
+    MESSAGE_NAMES,
+    SAVED_MODEL_PB,
+    SAVED_MODEL_PBTXT,
+    Entry,
+    Model,
+    shown,
+)
+from bnrewrite.io.sniff import HEAD_BYTES, empty_error, parse_bytes, sniff_head
+
+
+def check_input(path: str) -> None:
+    """The checks on an input path that need no parsing (and so no TensorFlow)."""
+    where = shown(path)
+    if not os.path.lexists(path):
+        raise InputFormatError(f"{where} does not exist; check the path")
+    if not os.path.exists(path):
+        raise InputFormatError(f"{where} is a broken symbolic link; check the path")
+    if os.path.isdir(path):
+        _saved_model_graph_file(path)
+        return
+    if not os.path.isfile(path):
+        raise InputFormatError(f"{where} is not a regular file or a SavedModel directory")
+    if not os.access(path, os.R_OK):
+        raise InputFormatError(f"cannot read {where}: permission denied")
+    if os.path.getsize(path) == 0:
+        raise empty_error(where)
+    sniff_head(_read(path, HEAD_BYTES), where)
+
+
+def load(path: str) -> Model:
+    """Read a model, telling its format from its content. Raises InputFormatError."""
+    check_input(path)
+    if os.path.isdir(path):
+        return _load_saved_model(path)
+    kind, message = parse_bytes(_read(path), shown(path))
+    if kind == "savedmodel":
+        directory = os.path.dirname(os.path.abspath(path)) or "."
+        raise InputFormatError(
+            f"{shown(path)} is the graph file of a SavedModel; pass its directory ({shown(directory)}) instead"
+        )
+    model = make_model(path, kind, message)
+    validate(model)
+    return model
+
+
+def make_model(path: str, kind: str, message: Any) -> Model:
+    """The model of a graph file of format `kind` holding `message` (a GraphDef or MetaGraphDef)."""
+    if kind in ("pb", "pbtxt"):
+        return Model(path, kind, [Entry(message)])
+    return Model(path, kind, [Entry(message.graph_def, message)])
+
+
+def validate(model: Model) -> None:
+    """Every entry is a well-formed graph: unique names, inputs that resolve, no cycle."""
+    from bnrewrite.graph import Graph
+
+    for entry in model.entries:
+        try:
+            Graph.from_graph_def(entry.graph_def).validate()
+        except GraphValidationError as exc:
+            where = shown(model.path) + (f" MetaGraph {entry.label}" if entry.tags is not None else "")
+            raise GraphValidationError(f"{where} is not a valid graph: {exc}; is the file truncated or edited?") from None
+
+
+def _read(path: str, size: int = -1) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(size)
+    except OSError as exc:
+        raise InputFormatError(f"cannot read {shown(path)}: {exc.strerror or exc}") from None
+
+
+def _saved_model_graph_file(path: str) -> str:
+    """saved_model.pb or saved_model.pbtxt of the SavedModel directory `path`."""
+    for name in (SAVED_MODEL_PB, SAVED_MODEL_PBTXT):
+        if os.path.isfile(os.path.join(path, name)):
+            return name
+    raise InputFormatError(
+        f"{shown(path)} is a directory but not a SavedModel (it has no {SAVED_MODEL_PB} or {SAVED_MODEL_PBTXT}); "
+        "point bnrewrite at a SavedModel directory or a graph file"
+    )
+
+
+def _load_saved_model(path: str) -> Model:
+    name = _saved_model_graph_file(path)
+    graph_path = os.path.join(path, name)
+    kind, message = parse_bytes(_read(graph_path), shown(graph_path))
+    if kind != "savedmodel":
+        raise InputFormatError(
+            f"{shown(graph_path)} holds a {MESSAGE_NAMES[kind]}, not a SavedModel; re-export the SavedModel"
+        )
+    entries = [
+        Entry(meta.graph_def, meta, tuple(meta.meta_info_def.tags), i) for i, meta in enumerate(message.meta_graphs)
+    ]
+    model = Model(path, "savedmodel", entries, saved_model=message, graph_file=name)
+    validate(model)
+    return model
