@@ -1,14 +1,32 @@
-"""Training step time with synchronized batch norm vs without, on virtual CPU devices.
+"""Step cost: what synchronized batch norm costs per training step, side by side with the alternatives.
 
-    python tools/bench_step.py [--towers 4] [--layers 10] [--channels 32] [--image 16]
-                               [--batch 8] [--steps 30] [--warmup 5]
+    python tools/bench_step.py [--towers 4] [--sizes default,large] [--dtypes float32,float16]
+                               [--variants unsynced,bnrewrite,model_sync,keras_sync,floor]
+                               [--steps 30] [--warmup 5] [--block 2] [--traces 3] [--quick]
 
-Builds the tools/deep_net.py training graph (one tower per virtual CPU device), rewrites it
-with bnrewrite (collective backend), and times `train_op` in a tf.compat.v1.Session for both
-graphs, alternating blocks of steps so both see the same machine load. Prints the median
-step time of each, their ratio, and examples per second. On CPU the all-reduces are memory
-copies between devices of one process, so the ratio measures the extra arithmetic and the
-synchronization points, not a network.
+One process, K virtual CPU devices (`device_count={"CPU": K}`), one tower per device, the
+tools/deep_net.py model; the variants (tools/step_variants.py: unsynced, bnrewrite, model-code
+sync BN as tensorpack writes it, tf_keras's synchronized layer under MirroredStrategy, and the
+floor: the unsynced graph plus bnrewrite's all-reduces with unused results) are fed the same
+batches and timed in alternating blocks of steps, so they share the machine's load: median
+wall time per step, and the process's CPU time per step (the steadier figure when other
+processes share the cores). Then each runs `--traces` steps traced (FULL_TRACE), also
+alternating, for:
+
+- peak memory per device: the live bytes of the step's allocations on that device, replayed
+  from the allocator's per-op records (`node_stats.memory[*].allocation_records`). The
+  allocator's own `allocator_bytes_in_use` cannot be used on CPU: the virtual devices share one
+  allocator (`mklcpu`), which also holds the other sessions' variables.
+- extra time over unsynced by op type: the sum of op durations per op type (as the op ran,
+  after Grappler and oneDNN rewrites), synced minus unsynced, on all devices together; also
+  bnrewrite minus the floor. With K devices on fewer cores the ops' durations overlap and
+  include waiting for a core; an all-reduce's includes waiting for the slowest tower.
+
+Sizes: `default` (10 conv+BN layers, 32 channels, 16x16, 8 per tower) and `large` (64
+channels, 32x32, 16 per tower). float16: images and activations in float16, batch-norm
+statistics in float32 as the fused op keeps them. On CPU the all-reduces are copies between
+devices of one process: the ratios measure the added arithmetic, copies and synchronization
+points, not a network. tools/gpu_step.py prints the same comparison on GPUs (NCCL).
 """
 
 from __future__ import annotations
@@ -18,6 +36,8 @@ import os
 import statistics
 import sys
 import time
+from collections import defaultdict
+from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -27,90 +47,291 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import deep_net  # noqa: E402
+from step_variants import VARIANTS, Size, Variant, build_variants  # noqa: E402
+
+tf1 = tf.compat.v1
+SIZES = {"default": Size(10, 32, 16, 8), "large": Size(10, 64, 32, 16), "gpu": Size(20, 64, 32, 32)}
+DTYPES = ("float32", "float16")
+MIB = 1 << 20
+#: Goals of project issue 14.
+FLOOR_SHARE_GOAL, STEP_RATIO_GOAL, PEAK_RATIO_GOAL = 0.5, 1.10, 1.05
+
+#: One global batch: (images, labels) per tower.
+Batch = list[tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass
+class StepTrace:
+    """What one traced step spent: op time (µs) and bytes allocated per op type, and the peak of
+    live allocated bytes per device."""
+
+    op_micros: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    op_count: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    allocated: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    peak: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Measured:
+    """A variant's figures: median step time (s) and the medians over its traced steps. CPU time
+    is the process's (every thread's) during the step: unlike wall time it does not grow while
+    other processes hold the cores, so on a shared machine its ratios are the steadier."""
+
+    name: str
+    error: str = ""
+    step: float = float("nan")
+    spread: float = float("nan")  # interquartile range of the step times
+    cpu: float = float("nan")  # median process CPU time per step, all threads
+    traces: list[StepTrace] = field(default_factory=list)
+
+    def median(self, attribute: str) -> dict[str, float]:
+        """Per key of a StepTrace dict, the median over the traced steps (0 where one lacks it)."""
+        keys = {key for trace in self.traces for key in getattr(trace, attribute)}
+        return {key: statistics.median(getattr(t, attribute).get(key, 0) for t in self.traces) for key in keys}
+
+
+def _device_key(device: str) -> str | None:
+    """"CPU:0" for a device's own stats; None for GPU stream and memcpy entries, which repeat
+    the device's ops."""
+    name = device.rsplit("/device:", 1)[-1]
+    return name if "/" not in name else None
+
+
+def _op_type(node_stats: tf1.NodeExecStats) -> str:
+    """The op type as it ran, from "name = Type(inputs)"; the node name for _SOURCE and the like."""
+    label = node_stats.timeline_label
+    return label.split(" = ", 1)[1].split("(", 1)[0] if " = " in label else node_stats.node_name
+
+
+def read_trace(metadata: tf1.RunMetadata) -> StepTrace:
+    """Op time, op count and bytes allocated per op type; per device, the peak of its main
+    allocator (the one peaking highest there: `mklcpu` on CPU, `GPU_k_bfc` on GPU, not the
+    host memory a GPU's ops also take)."""
+    trace = StepTrace()
+    for device_stats in metadata.step_stats.dev_stats:
+        device = _device_key(device_stats.device)
+        if device is None:
+            continue
+        records: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for node in device_stats.node_stats:
+            kind = _op_type(node)
+            trace.op_micros[kind] += node.all_end_rel_nanos / 1e3
+            trace.op_count[kind] += 1
+            for memory in node.memory:
+                records[memory.allocator_name] += [(r.alloc_micros, r.alloc_bytes) for r in memory.allocation_records]
+                trace.allocated[kind] += sum(r.alloc_bytes for r in memory.allocation_records if r.alloc_bytes > 0)
+        trace.peak[device] = max((_peak(allocations) for allocations in records.values()), default=0)
+    return trace
+
+
+def _peak(records: list[tuple[int, int]]) -> int:
+    """The most bytes live at once, replaying (time, ±bytes) records; at one microsecond, frees
+    come before allocations."""
+    live = peak = 0
+    for _, size in sorted(records):
+        live += size
+        peak = max(peak, live)
+    return peak
 
 
 class Trainer:
-    """A session over one GraphDef, fed the same random batches as every other Trainer."""
+    """A session over one variant's graph on `towers` devices."""
 
-    def __init__(self, graph_def, towers: int, device_kind: str = "CPU") -> None:
+    def __init__(self, variant: Variant, towers: int, device_kind: str) -> None:
         self.graph = tf.Graph()
         with self.graph.as_default():
-            tf.graph_util.import_graph_def(graph_def, name="")
-        config = tf.compat.v1.ConfigProto(allow_soft_placement=device_kind != "CPU")
+            tf.graph_util.import_graph_def(variant.graph_def, name="")
+        config = tf1.ConfigProto(allow_soft_placement=device_kind != "CPU")
         if device_kind == "CPU":
             config.device_count["CPU"] = towers
         else:
             config.gpu_options.allow_growth = True
-        self.session = tf.compat.v1.Session(graph=self.graph, config=config)
+        self.session = tf1.Session(graph=self.graph, config=config)
         self.session.run("init")
-        self.towers = towers
-        self.train_op = self.graph.get_operation_by_name("train_op")
+        self.train_op = self.graph.get_operation_by_name(variant.train_op)
+        self.inputs = [(self.graph.get_tensor_by_name(i), self.graph.get_tensor_by_name(l)) for i, l in variant.inputs]
 
-    def feeds(self, rng: np.random.Generator) -> dict:
-        feeds = {}
-        for k in range(self.towers):
-            images = self.graph.get_tensor_by_name(f"tower_{k}/images:0")
-            labels = self.graph.get_tensor_by_name(f"tower_{k}/labels:0")
-            feeds[images] = rng.standard_normal(images.shape.as_list()).astype(np.float32)
-            feeds[labels] = rng.integers(0, 10, labels.shape.as_list()).astype(np.int32)
-        return feeds
+    def feeds(self, batch: Batch) -> dict:
+        return {t: value.astype(t.dtype.as_numpy_dtype) for pair, values in zip(self.inputs, batch)
+                for t, value in zip(pair, values)}
 
-    def time_steps(self, steps: int, seed: int) -> list[float]:
-        rng = np.random.default_rng(seed)
-        batches = [self.feeds(rng) for _ in range(steps)]
+    def time_steps(self, batches: list[Batch]) -> list[tuple[float, float]]:
+        """(wall, process CPU) seconds of each step."""
         times = []
-        for feeds in batches:
-            start = time.perf_counter()
+        for batch in batches:
+            feeds = self.feeds(batch)
+            start, start_cpu = time.perf_counter(), time.process_time()
             self.session.run(self.train_op, feeds)
-            times.append(time.perf_counter() - start)
+            times.append((time.perf_counter() - start, time.process_time() - start_cpu))
         return times
 
-
-def compare(graph_def, synced_def, towers: int, steps: int, warmup: int, device_kind: str = "CPU") -> dict:
-    plain, synced = Trainer(graph_def, towers, device_kind), Trainer(synced_def, towers, device_kind)
-    plain.time_steps(warmup, seed=0)
-    synced.time_steps(warmup, seed=0)
-    times: dict[str, list[float]] = {"unsynced": [], "synced": []}
-    block = max(1, steps // 5)
-    for i in range(0, steps, block):
-        times["unsynced"] += plain.time_steps(block, seed=1 + i)
-        times["synced"] += synced.time_steps(block, seed=1 + i)
-    return {k: statistics.median(v) for k, v in times.items()} | {"steps": len(times["synced"])}
+    def trace(self, batch: Batch) -> StepTrace:
+        metadata = tf1.RunMetadata()
+        options = tf1.RunOptions(trace_level=tf1.RunOptions.FULL_TRACE)
+        self.session.run(self.train_op, self.feeds(batch), options=options, run_metadata=metadata)
+        return read_trace(metadata)
 
 
-def step_arguments(doc: str, towers: int, layers: int, channels: int, image: int, batch: int, steps: int,
-                   warmup: int, towers_help: str | None = None) -> argparse.ArgumentParser:
-    """The command line of a step-time script: the deep_net graph's sizes and how many steps."""
+def make_batches(towers: int, size: Size, count: int, seed: int) -> list[Batch]:
+    rng = np.random.default_rng(seed)
+    return [[(rng.standard_normal([size.batch, size.image, size.image, 3], np.float32),
+              rng.integers(0, 10, [size.batch]).astype(np.int32)) for _ in range(towers)] for _ in range(count)]
+
+
+def measure(variants: list[Variant], towers: int, size: Size, steps: int, warmup: int, traces: int, block: int,
+            device_kind: str = "CPU") -> dict[str, Measured]:
+    """Median step time and traces of every variant, fed the same batches in alternating blocks
+    of `block` steps (short blocks: load from other processes falls on every variant alike).
+    A variant whose session cannot start or step is kept with the error."""
+    measured = {v.name: Measured(v.name, error=v.error) for v in variants}
+    trainers: dict[str, Trainer] = {}
+    for variant in variants:
+        if variant.error:
+            continue
+        try:
+            trainers[variant.name] = trainer = Trainer(variant, towers, device_kind)
+            trainer.time_steps(make_batches(towers, size, warmup, seed=0))
+        except tf.errors.OpError as error:
+            measured[variant.name].error = f"cannot run: {type(error).__name__}: {error.message.splitlines()[0]}"
+            trainers.pop(variant.name, None)
+    times: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for start in range(0, steps, block):
+        batches = make_batches(towers, size, min(block, steps - start), seed=1 + start)
+        for name, trainer in trainers.items():
+            times[name] += trainer.time_steps(batches)
+    for i in range(traces):
+        batch = make_batches(towers, size, 1, seed=10_000 + i)[0]
+        for name, trainer in trainers.items():
+            measured[name].traces.append(trainer.trace(batch))
+    for name, trainer in trainers.items():
+        wall = [w for w, _ in times[name]]
+        quartiles = statistics.quantiles(wall, n=4) if len(wall) > 1 else [wall[0]] * 3
+        measured[name].step, measured[name].spread = statistics.median(wall), quartiles[2] - quartiles[0]
+        measured[name].cpu = statistics.median(c for _, c in times[name])
+        trainer.session.close()
+    return measured
+
+
+def print_config(title: str, measured: dict[str, Measured], top: int) -> None:
+    """The step-time/memory table; per variant, its extra op time over unsynced by op type, and
+    bnrewrite's over the floor (what it adds besides the all-reduces themselves)."""
+    base = measured.get("unsynced")
+    devices = sorted(base.median("peak")) if base and base.traces else []
+    print(f"\n== {title} ==")
+    print(f"{'variant':<11} {'step ms':>8} {'IQR':>6} {'× unsynced':>10} {'CPU ms':>8} {'× unsynced':>10}   "
+          f"peak MiB per device ({' '.join(devices)})   {'worst device × unsynced':>23}")
+    for m in measured.values():
+        if m.error:
+            print(f"{m.name:<11} {m.error}")
+            continue
+        peak = m.median("peak")
+        ratio, cpu_ratio = (m.step / base.step, m.cpu / base.cpu) if base and not base.error else (float("nan"),) * 2
+        worst = max((peak[d] / base.median("peak")[d] for d in devices), default=float("nan"))
+        cells = " ".join(f"{peak.get(d, 0) / MIB:.2f}" for d in devices)
+        print(f"{m.name:<11} {m.step * 1e3:>8.1f} {m.spread * 1e3:>6.1f} {ratio:>10.3f} {m.cpu * 1e3:>8.1f} "
+              f"{cpu_ratio:>10.3f}   {cells:<{24 + 6 * len(devices)}} {worst:>9.3f}")
+    if not base or base.error or not base.traces:
+        return
+    for m in measured.values():
+        if m.name != "unsynced" and not m.error and m.traces:
+            print_extra(m, base, top)
+    floor = measured.get("floor")
+    if "bnrewrite" in measured and floor and not measured["bnrewrite"].error and not floor.error:
+        print_extra(measured["bnrewrite"], floor, top)
+
+
+def print_extra(m: Measured, base: Measured, top: int) -> None:
+    """`m`'s op time and allocations minus `base`'s, by op type, largest |Δ time| first; share:
+    of the op time added (the sum of the positive Δ). "KiB per op" tells input-sized temporaries
+    (an activation of the default size is 256 KiB) from per-channel vectors."""
+    micros, count, alloc = m.median("op_micros"), m.median("op_count"), m.median("allocated")
+    base_micros, base_count, base_alloc = base.median("op_micros"), base.median("op_count"), base.median("allocated")
+    extra = {k: micros.get(k, 0) - base_micros.get(k, 0) for k in set(micros) | set(base_micros)}
+    total = sum(extra.values())
+    added = sum(v for v in extra.values() if v > 0)
+    print(f"  {m.name} − {base.name}: op time {total / 1e3:+.1f} ms per step (all devices; wall "
+          f"{1e3 * (m.step - base.step):+.1f} ms), by op type:")
+    print(f"    {'op type':<34} {'Δ ms':>8} {'share':>6} {'Δ ops':>6} {'Δ MiB allocated':>16} {'KiB per op':>11}")
+    for kind in sorted(extra, key=lambda k: -abs(extra[k]))[:top]:
+        delta_alloc = alloc.get(kind, 0) - base_alloc.get(kind, 0)
+        delta_count = count.get(kind, 0) - base_count.get(kind, 0)
+        share = extra[kind] / added if added else float("nan")
+        per_op = f"{delta_alloc / delta_count / 1024:.1f}" if delta_count > 0 and delta_alloc > 0 else ""
+        print(f"    {kind:<34} {extra[kind] / 1e3:>8.2f} {share:>6.0%} {delta_count:>6.0f} {delta_alloc / MIB:>16.2f} "
+              f"{per_op:>11}")
+
+
+def goal_lines(label: str, measured: dict[str, Measured], default_size: bool) -> list[str]:
+    """The issue's goals for one configuration, each with its figures and met / NOT met; the
+    time goals in wall time and in CPU time (steadier on a shared machine)."""
+    def ok(met: bool) -> str:
+        return "met" if met else "NOT met"
+
+    lines = []
+    for clock in ("wall", "CPU"):
+        step = {name: m.step if clock == "wall" else m.cpu for name, m in measured.items() if not m.error}
+        if {"bnrewrite", "model_sync", "floor"} <= set(step):
+            ours, theirs = step["bnrewrite"] - step["floor"], step["model_sync"] - step["floor"]
+            lines.append(f"{label}, {clock} time: bnrewrite − floor = {ours * 1e3:.1f} ms ≤ ½ (model-code − floor) = "
+                         f"{theirs * 500:.1f} ms: {ok(ours <= FLOOR_SHARE_GOAL * theirs)}")
+        if default_size and {"bnrewrite", "unsynced"} <= set(step):
+            ratio = step["bnrewrite"] / step["unsynced"]
+            lines.append(f"{label}, {clock} time: synced / unsynced = {ratio:.3f} ≤ {STEP_RATIO_GOAL}: "
+                         f"{ok(ratio <= STEP_RATIO_GOAL)}")
+    synced, base = measured.get("bnrewrite"), measured.get("unsynced")
+    if synced and base and synced.traces and base.traces:
+        peak, base_peak = synced.median("peak"), base.median("peak")
+        ratio = max(peak[d] / base_peak[d] for d in base_peak)
+        lines.append(f"{label}: peak memory synced / unsynced (worst device) = {ratio:.3f} ≤ {PEAK_RATIO_GOAL}: "
+                     f"{ok(ratio <= PEAK_RATIO_GOAL)}")
+    return lines
+
+
+def arguments(doc: str, towers: int, towers_help: str, sizes: str) -> argparse.ArgumentParser:
+    """The command line of a step-cost script."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--towers", type=int, default=towers, help=towers_help)
-    parser.add_argument("--layers", type=int, default=layers)
-    parser.add_argument("--channels", type=int, default=channels)
-    parser.add_argument("--image", type=int, default=image)
-    parser.add_argument("--batch", type=int, default=batch, help="examples per tower")
-    parser.add_argument("--steps", type=int, default=steps)
-    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--sizes", default=sizes, help=f"comma-separated, of {', '.join(SIZES)}: "
+                        + "; ".join(f"{name}: {size}" for name, size in SIZES.items()))
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, of float32, float16")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; unsynced is always run")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant and configuration")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--block", type=int, default=2, help="steps per variant before the next one's turn")
+    parser.add_argument("--traces", type=int, default=3, help="traced steps per variant (medians)")
+    parser.add_argument("--top", type=int, default=10, help="op types listed per synced variant (largest |Δ|)")
+    parser.add_argument("--quick", action="store_true", help="default size only, 6 steps, 1 warm-up, 1 trace")
     return parser
 
 
+def run(args: argparse.Namespace, device: str, towers: int, where: str) -> None:
+    """Measures and prints every size × dtype, then the goal lines."""
+    if args.quick:
+        args.sizes, args.steps, args.warmup, args.traces = "default", 6, 1, 1
+    names = ["unsynced"] + [n for n in args.variants.split(",") if n != "unsynced"]
+    unknown = sorted(set(names) - set(VARIANTS)) + sorted(set(args.sizes.split(",")) - set(SIZES)) \
+        + sorted(set(args.dtypes.split(",")) - set(DTYPES))
+    if unknown:
+        raise SystemExit(f"unknown: {', '.join(unknown)}")
+    goals = []
+    for size_name in args.sizes.split(","):
+        size = SIZES[size_name]
+        for dtype in args.dtypes.split(","):
+            variants = build_variants(names, towers, size, dtype, device)
+            measured = measure(variants, towers, size, args.steps, args.warmup, args.traces, args.block, device.upper())
+            title = (f"{where}, {dtype}: {size}; median of {args.steps} steps after {args.warmup} warm-up, "
+                     f"{args.traces} traced")
+            print_config(title, measured, args.top)
+            goals += goal_lines(f"{size_name} {dtype}", measured, size_name == "default")
+            sys.stdout.flush()
+    print("\n== goals ==")
+    print("\n".join(goals))
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = step_arguments(__doc__, towers=4, layers=10, channels=32, image=16, batch=8, steps=30, warmup=5).parse_args(argv)
-
-    from bnrewrite import rewrite_graph
-
-    graph_def = deep_net.build_graph_def(args.towers, args.layers, channels=args.channels, image=args.image, batch=args.batch)
-    synced = rewrite_graph(graph_def, backend="collective")
-    result = compare(graph_def, synced.graph_def, args.towers, args.steps, args.warmup)
-    examples = args.towers * args.batch
-    print(f"\n== training step on {args.towers} virtual CPU devices ({os.cpu_count()} cores): "
-          f"{args.layers} conv+BN layers, {args.channels} channels, {args.image}x{args.image} images, "
-          f"{args.batch} per tower ==")
-    print(f"{'graph':<10} {'median step ms':>15} {'examples/s':>11}")
-    for key in ("unsynced", "synced"):
-        print(f"{key:<10} {result[key] * 1e3:>15.1f} {examples / result[key]:>11.0f}")
-    print(f"synced / unsynced step time: {result['synced'] / result['unsynced']:.2f} "
-          f"(median of {result['steps']} steps each after {args.warmup} warm-up steps; "
-          f"{synced.report.collectives} all-reduces added)")
+    parser = arguments(__doc__, towers=4, towers_help="virtual CPU devices, one tower each", sizes="default,large")
+    args = parser.parse_args(argv)
+    run(args, "cpu", args.towers, f"K={args.towers} virtual CPU devices ({os.cpu_count()} cores)")
 
 
 if __name__ == "__main__":

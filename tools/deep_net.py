@@ -1,6 +1,6 @@
 """Deep conv+BN multi-tower training graphs for the benchmarks, cached as .pb files.
 
-    build_graph_def(towers, layers, channels=8, image=4, batch=2) -> GraphDef
+    build_graph_def(towers, layers, channels=8, image=4, batch=2, dtype="float32", bn="fused") -> GraphDef
     cached_graph_def(towers, layers, ...) -> GraphDef   (built once, kept in a temp dir)
 
 Each tower: images -> L x [conv2d 3x3 -> batch_normalization(training=True, fused=True)
@@ -10,6 +10,12 @@ TF1 layers on `/cpu:k` in name scope `tower_k`, sharing variables through
 once with MomentumOptimizer; `train_op = tf.group(apply, *UPDATE_OPS)` (every tower's
 moving-average updates). `device="gpu"` places towers on `/gpu:k` (building needs no GPU). Spatial sizes are tiny: building is quick and the graph structure
 (what the rewrite sees) is that of a real deep net.
+
+`dtype="float16"` feeds float16 images, so convolutions and activations are float16 (the
+fused op keeps its statistics in float32); the loss is taken on float32 logits.
+`bn="model_sync"` replaces the legacy layer by tools/model_sync_bn.py's synchronized batch
+norm written in model code (tensorpack's way), whose moving averages tower 0 alone updates:
+the reference the step benchmark sets bnrewrite against.
 """
 
 from __future__ import annotations
@@ -31,13 +37,20 @@ CACHE_DIR = os.path.join(tempfile.gettempdir(), "bnrewrite_bench_graphs")
 #: `tower_k`, variables `v<k>/net/...`); or one copy per tower under names that follow no
 #: convention (towers `part<letter>`, variables `w_part<letter>/net/...`): lined up by structure.
 VARIABLES = ("shared", "replicated", "unnamed")
+#: Batch norm as the legacy layer builds it (fused), or synchronized in model code.
+BATCH_NORMS = ("fused", "model_sync")
 
 
 def build_graph_def(
     towers: int, layers: int, channels: int = 8, image: int = 4, batch: int = 2, device: str = "cpu",
-    variables: str = "shared",
+    variables: str = "shared", dtype: str = "float32", bn: str = "fused",
 ) -> tf.compat.v1.GraphDef:
     from tf_keras.src.legacy_tf_layers import convolutional, core, normalization
+
+    if bn not in BATCH_NORMS:
+        raise ValueError(f"bn {bn!r}: choose one of {', '.join(BATCH_NORMS)}")
+    if bn == "model_sync":
+        import model_sync_bn  # beside this file, on sys.path as deep_net is
 
     tf1 = tf.compat.v1
     graph = tf.Graph()
@@ -50,16 +63,22 @@ def build_graph_def(
             own = {"shared": "", "replicated": f"v{k}", "unnamed": f"w_{scope}"}[variables]
             owned = tf1.variable_scope(own, auxiliary_name_scope=False) if own else contextlib.nullcontext()
             with tf.device(f"/{device}:{k}"), tf.name_scope(scope), owned:
-                images = tf1.placeholder(tf.float32, [batch, image, image, 3], name="images")
+                images = tf1.placeholder(tf.as_dtype(dtype), [batch, image, image, 3], name="images")
                 labels = tf1.placeholder(tf.int32, [batch], name="labels")
                 with tf1.variable_scope("net", reuse=tf1.AUTO_REUSE):
                     x = images
                     for i in range(layers):
                         x = convolutional.conv2d(x, channels, 3, padding="same", use_bias=False, name=f"conv{i}")
-                        x = normalization.batch_normalization(x, training=True, fused=True, name=f"bn{i}")
+                        if bn == "model_sync":
+                            backend = "nccl" if device == "gpu" else "collective"
+                            x = model_sync_bn.sync_batch_norm(x, towers, k, i, f"bn{i}", backend)
+                        else:
+                            x = normalization.batch_normalization(x, training=True, fused=True, name=f"bn{i}")
                         x = tf.nn.relu(x)
                     x = tf.reduce_mean(x, axis=[1, 2])
                     logits = core.dense(x, 10, name="dense")
+                    if logits.dtype != tf.float32:
+                        logits = tf.cast(logits, tf.float32)
                 loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
                 losses.append(loss)
                 tower_grads.append(opt.compute_gradients(loss, var_list=tf1.trainable_variables(own or None)))

@@ -1,10 +1,16 @@
-"""Training throughput with synchronized batch norm (NCCL) vs without, on real GPUs.
+"""Step cost on real GPUs: what synchronized batch norm costs per training step, side by side
+with the alternatives (the comparison tools/bench_step.py makes on virtual CPU devices).
 
-    python tools/gpu_step.py [--towers N] [--layers 20] [--channels 64] [--image 32]
-                             [--batch 32] [--steps 50] [--warmup 10]
+    python tools/gpu_step.py [--towers N] [--sizes default,large,gpu] [--dtypes float32,float16]
+                             [--variants unsynced,bnrewrite,model_sync,keras_sync,floor]
+                             [--steps 30] [--warmup 5] [--block 2] [--traces 3] [--quick]
 
-One tower per GPU (all of them unless --towers), the tools/deep_net.py training graph,
-rewritten by bnrewrite with the NCCL backend. Prints images/s for both graphs and the ratio.
+One tower per GPU (all of them unless --towers), the tools/deep_net.py model; bnrewrite,
+model-code sync BN and the floor all-reduce with NCCL (`NcclAllReduce`), tf_keras's
+synchronized layer with MirroredStrategy's collective all-reduce over NCCL. Prints, per size and
+dtype, the median step time of each variant, its ratio to unsynced, the peak of each GPU's
+allocator, the extra op time by op type and the issue's goal lines. On GPUs the traced op
+times are the executor's (host) times: a kernel's launch, not its run on the device.
 Needs 2 or more GPUs (NCCL cannot all-reduce between two towers on one GPU); with fewer it
 prints why it skipped and exits 0.
 """
@@ -21,13 +27,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import tensorflow as tf  # noqa: E402
 
-import deep_net  # noqa: E402
-from bench_step import compare, step_arguments  # noqa: E402
+from bench_step import arguments, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = step_arguments(__doc__, towers=0, layers=20, channels=64, image=32, batch=32, steps=50, warmup=10,
-                            towers_help="GPUs to use (default: all)")
+    parser = arguments(__doc__, towers=0, towers_help="GPUs to use, one tower each (default: all)",
+                       sizes="default,large,gpu")
     args = parser.parse_args(argv)
 
     gpus = tf.config.list_physical_devices("GPU")
@@ -35,27 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     if len(gpus) < 2 or towers < 2 or towers > len(gpus):
         print(f"skipped: found {len(gpus)} GPU(s) ({', '.join(g.name for g in gpus) or 'none'}); "
               f"synchronized batch norm over NCCL needs 2 or more GPUs, one per tower "
-              f"(asked for {towers or 'all'})")
+              f"(asked for {towers or 'all'}); tools/bench_step.py makes the same comparison on virtual CPUs")
         return 0
     for gpu in gpus:
         tf.config.experimental.set_memory_growth(gpu, True)
-
-    from bnrewrite import rewrite_graph
-
-    graph_def = deep_net.build_graph_def(
-        towers, args.layers, channels=args.channels, image=args.image, batch=args.batch, device="gpu")
-    synced = rewrite_graph(graph_def, backend="nccl")
-    result = compare(graph_def, synced.graph_def, towers, args.steps, args.warmup, device_kind="GPU")
-    images = towers * args.batch
     names = sorted({tf.config.experimental.get_device_details(g).get("device_name", "GPU") for g in gpus[:towers]})
-    print(f"\n== training throughput on {towers} GPUs ({', '.join(names)}): {args.layers} conv+BN layers, "
-          f"{args.channels} channels, {args.image}x{args.image} images, {args.batch} per GPU ==")
-    print(f"{'graph':<16} {'median step ms':>15} {'images/s':>10}")
-    for key, label in (("unsynced", "unsynced"), ("synced", "synced (NCCL)")):
-        print(f"{label:<16} {result[key] * 1e3:>15.2f} {images / result[key]:>10.0f}")
-    print(f"synced / unsynced images/s: {result['unsynced'] / result['synced']:.3f} "
-          f"(median of {result['steps']} steps each after {args.warmup} warm-up steps; "
-          f"{synced.report.collectives} NCCL all-reduces added)")
+    run(args, "gpu", towers, f"{towers} GPUs ({', '.join(names)})")
     return 0
 
 
