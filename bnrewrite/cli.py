@@ -734,7 +734,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     pairs = _pair_entries(io, a, b, tag_sets, args)
     results = []
     for label, ea, eb in pairs:
-        d = diff_entries(_with_removed_marked(ea.graph_def, eb.graph_def), eb.graph_def)
+        d = diff_entries(ea.graph_def, eb.graph_def)
         d["tags"] = list(ea.tags) if ea.tags is not None else None
         results.append((label, d))
     if args.json:
@@ -749,54 +749,6 @@ def cmd_diff(args: argparse.Namespace) -> int:
             out.line(f"MetaGraph {label}:")
         _print_diff(out, d)
     return 0
-
-
-def _with_removed_marked(a: Any, b: Any, depth: int = 8) -> Any:
-    """A, its nodes that B no longer has marked with the layer they belonged to, as convert's
-    report names it: the layer of the nearest node upstream that B marks (the batch-norm op
-    whose statistic a removed moving-average update read). diff_entries otherwise tells a
-    removed node's layer only from its name, which a hand-written update (`tower_1/AssignMovingAvg`)
-    does not carry. Removed nodes joined by edges (an update and what only fed it) share a layer."""
-    from bnrewrite.graph import parse_input
-    from bnrewrite.nodes import MARK
-
-    in_b = {n.name: n for n in b.node}
-    layer_in_b = {name: n.attr[MARK].s.decode() for name, n in in_b.items() if MARK in n.attr}
-    nodes = {n.name: n for n in a.node}
-    removed = {name for name, n in nodes.items() if name not in in_b and MARK not in n.attr}
-    if not removed or not layer_in_b:
-        return a
-    parent = {name: name for name in removed}
-
-    def root(name: str) -> str:
-        while parent[name] != name:
-            parent[name] = parent[parent[name]]
-            name = parent[name]
-        return name
-
-    for name in removed:
-        for spec in nodes[name].input:
-            source = parse_input(spec)[0]
-            if source in removed:
-                parent[root(source)] = root(name)
-    components: dict[str, list[str]] = {}
-    for name in removed:
-        components.setdefault(root(name), []).append(name)
-    marked = type(a)()
-    marked.CopyFrom(a)
-    by_name = {n.name: n for n in marked.node}
-    for members in components.values():
-        seen, frontier, layer = set(members), list(members), None
-        for _ in range(depth):
-            sources = [parse_input(spec)[0] for name in frontier for spec in nodes[name].input if spec]
-            frontier = [s for s in dict.fromkeys(sources) if s in nodes and s not in seen]
-            seen.update(frontier)
-            layer = next((layer_in_b[s] for s in frontier if s in layer_in_b), None)
-            if layer is not None or not frontier:
-                break
-        for name in members if layer is not None else ():
-            by_name[name].attr[MARK].s = layer.encode()
-    return marked
 
 
 def _pair_entries(io: Any, a: Any, b: Any, tag_sets: Any, args: argparse.Namespace) -> list[tuple[str, Any, Any]]:

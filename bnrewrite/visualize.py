@@ -58,6 +58,48 @@ def _layer_of(name: str, layers: Iterable[str]) -> str | None:
     return None
 
 
+def _upstream_layers(nodes: dict[str, Any], removed: list[str], marked: dict[str, str], depth: int = 8) -> dict[str, str]:
+    """The layer of each removed node as convert's report names it: that of the nearest node
+    upstream which the rewritten graph marks (the batch-norm op whose statistic a removed
+    moving-average update read), shared by removed nodes joined by edges (an update and what
+    only fed it). A removed node's name alone does not tell it for hand-written updates
+    (`tower_1/AssignMovingAvg`)."""
+    from bnrewrite.graph import parse_input
+
+    gone = {name for name in removed if MARK not in nodes[name].attr}
+    if not gone or not marked:
+        return {}
+    parent = {name: name for name in gone}
+
+    def root(name: str) -> str:
+        while parent[name] != name:
+            parent[name] = parent[parent[name]]
+            name = parent[name]
+        return name
+
+    for name in gone:
+        for spec in nodes[name].input:
+            source = parse_input(spec)[0]
+            if source in gone:
+                parent[root(source)] = root(name)
+    components: dict[str, list[str]] = defaultdict(list)
+    for name in gone:
+        components[root(name)].append(name)
+    layers = {}
+    for members in components.values():
+        seen, frontier, layer = set(members), list(members), None
+        for _ in range(depth):
+            sources = [parse_input(spec)[0] for name in frontier for spec in nodes[name].input]
+            frontier = [s for s in dict.fromkeys(sources) if s in nodes and s not in seen]
+            seen.update(frontier)
+            layer = next((marked[s] for s in frontier if s in marked), None)
+            if layer is not None or not frontier:
+                break
+        if layer is not None:
+            layers.update(dict.fromkeys(members, layer))
+    return layers
+
+
 def diff_entries(a: Any, b: Any) -> dict[str, Any]:
     """Differences between GraphDefs a and b: op counts, nodes, and per-layer rewrite changes."""
     nodes_a = {n.name: n for n in a.node}
@@ -91,8 +133,9 @@ def diff_entries(a: Any, b: Any) -> dict[str, Any]:
             rows[layer]["replaced_ops"][nodes_a[name].op] += 1
         else:
             other["changed"] += 1
+    upstream = _upstream_layers(nodes_a, removed, {n: m for n, m in marks_b.items() if m})
     for name in removed:
-        layer = marks_a[name] or _layer_of(name, layers_seen)
+        layer = marks_a[name] or upstream.get(name) or _layer_of(name, layers_seen)
         if layer:
             rows[layer]["removed"] += 1
         else:
