@@ -21,7 +21,7 @@ from tensorflow.python.framework.test_util import IsMklEnabled
 from bnrewrite import rewrite_graph
 from models import Built, Result, Spec, assert_synced, build_reference, build_towers, make_batches, train
 from nccl_on_cpu import COLLECTIVE_OP, KEY_INPUTS, NCCL_OP, all_nodes, collective_keys, members, nccl_to_cpu, on_cpu
-from test_residual import BN_LAYERS as RESIDUAL_LAYERS, _batches as residual_batches, _build as build_residual
+from test_residual import BN_LAYERS as RESIDUAL_LAYERS, block_batches, build_block
 
 STEPS = 3
 TOLERANCE = 2e-4  # float32 (measured 4e-7 - 1e-5)
@@ -53,10 +53,10 @@ def test_nccl_parallel_layers_train_like_one_device():
     Chained in different orders on two devices, they would deadlock (the step fails at the
     collective's timeout)."""
     k, b = 2, 2
-    built = build_residual(k, b, "fused", device="gpu")
+    built = build_block(k, b, "fused", device="gpu")
     converted = _converted(built, len(RESIDUAL_LAYERS), list(range(k)))
-    ref = build_residual(1, k * b, "fused")
-    data = residual_batches(k, b)
+    ref = build_block(1, k * b, "fused")
+    data = block_batches(k, b)
     expected = train(ref.graph, ref, data, num_devices=1)
     _assert_oracle(f"nccl residual block K={k}", built, converted, expected, data)
 

@@ -51,7 +51,7 @@ def _logits(x, kind: str, ghost: tuple[str, ...], resource: bool):
                           kernel_initializer=tf1.constant_initializer(_initial("dense", (16, CLASSES))))
 
 
-def _build(towers: int, batch: int, kind: str, device: str = "cpu", ghost: tuple[str, ...] = (),
+def build_block(towers: int, batch: int, kind: str, device: str = "cpu", ghost: tuple[str, ...] = (),
            resource: bool = True) -> Built:
     """ghost: the convolutions whose batch norm uses virtual batches of 2 (ghost batch norm);
     resource=False: reference variables."""
@@ -78,7 +78,7 @@ def _build(towers: int, batch: int, kind: str, device: str = "cpu", ghost: tuple
     return Built(graph=graph, train_op=train_op.name, loss=loss.name, inputs=inputs, init=init.name, variables=variables)
 
 
-def _batches(towers: int, batch: int) -> list:
+def block_batches(towers: int, batch: int) -> list:
     rng = np.random.default_rng(7)
     n = towers * batch
     # Towers see differently scaled images, so per-tower statistics are far from the global ones.
@@ -94,7 +94,7 @@ def test_residual_block_trains_like_one_device(kind, resource):
     renorm_stddev it then updates, and whose moving_variance is set from moving_stddev once
     that is updated: one update of each per step, after every tower's r and d."""
     k, b = 3, 2
-    built = _build(k, b, kind, resource=resource)
+    built = build_block(k, b, kind, resource=resource)
     result = rewrite_graph(built.graph, backend="collective")
     assert [row.layer for row in result.report.layers] == BN_LAYERS and not result.report.skipped
     statistics = {"moving_mean", "moving_variance"} | ({"renorm_mean", "renorm_stddev", "moving_stddev"} if kind == "renorm" else set())
@@ -106,7 +106,7 @@ def test_residual_block_trains_like_one_device(kind, resource):
             waited = {c[1:].split("/", 1)[0] for c in out[update].input if c.startswith("^")}
             assert waited == {f"tower_{i}" for i in range(1, k)}, update  # tower 0's own update waited already
     _check_oracle(f"residual {kind} {'resource' if resource else 'ref'}", built, result.graph_def,
-                  _build(1, k * b, kind, resource=resource), k, _batches(k, b))
+                  build_block(1, k * b, kind, resource=resource), k, block_batches(k, b))
 
 
 def _check_oracle(label: str, built: Built, graph_def, ref: Built, k: int, data: list) -> None:
@@ -125,7 +125,7 @@ def _written(row, built: Built) -> list[str]:
 def test_parallel_layers_all_reduce_in_one_order_on_every_tower():
     """NCCL towers: each device's all-reduces form one chain of control edges, and the layers
     (and phases) come in the same order on every device."""
-    graph_def = rewrite_graph(_build(2, 2, "fused", device="gpu").graph, backend="nccl").graph_def  # built, never run
+    graph_def = rewrite_graph(build_block(2, 2, "fused", device="gpu").graph, backend="nccl").graph_def  # built, never run
     nodes = {n.name: n for n in graph_def.node}
     collectives = [n for n in graph_def.node if n.op in COLLECTIVE_OPS]
     per_device: dict[str, list] = {}
@@ -153,12 +153,12 @@ def test_ghost_batch_norm_is_reported_not_synchronized():
     """virtual_batch_size normalizes each virtual batch with its own statistics on purpose (and
     one device would split its batch into other virtual batches): such a layer is left as it
     is, with the reason; the others are synchronized."""
-    result = rewrite_graph(_build(2, 4, "unfused", ghost=("proj",)).graph, backend="collective")
+    result = rewrite_graph(build_block(2, 4, "unfused", ghost=("proj",)).graph, backend="collective")
     assert [row.layer for row in result.report.layers] == [n for n in BN_LAYERS if n != "net/proj_bn"]
     skipped = result.report.skipped
     assert len(skipped) == 2 and all("proj_bn" in s["node"] and "virtual_batch_size=2" in s["reason"] for s in skipped)
     with pytest.raises(NoBatchNormError, match="ghost batch normalization"):
-        rewrite_graph(_build(2, 4, "unfused", ghost=("stem", "a1", "a2", "proj")).graph)
+        rewrite_graph(build_block(2, 4, "unfused", ghost=("stem", "a1", "a2", "proj")).graph)
 
 
 def _keras_build(towers: int, batch: int, fused: bool) -> Built:
@@ -200,4 +200,4 @@ def test_keras_layers_in_a_tf1_graph_train_like_one_device(fused):
     result = rewrite_graph(built.graph, backend="collective")
     assert len(result.report.layers) == 1 and len(result.report.layers[0].updates_kept) == 2
     _check_oracle(f"keras BatchNormalization {'fused' if fused else 'unfused'}", built, result.graph_def,
-                  _keras_build(1, k * b, fused), k, _batches(k, b))
+                  _keras_build(1, k * b, fused), k, block_batches(k, b))
