@@ -78,7 +78,9 @@ def rewrite_graph(
     """Synchronize batch norm across the towers of a replicated training graph.
 
     graph: a tf.Graph, tf.compat.v1.GraphDef or MetaGraphDef; never modified unless in_place.
-    backend: "auto" (NCCL when every tower is on a GPU, else collective), "nccl" or "collective".
+    backend: "auto" (NCCL when every tower is on a GPU; else "local" in one process, "collective"
+        with several workers or batch norms inside control flow v2), "nccl", "local" (one AddN on
+        the first tower's device) or "collective" (CollectiveReduceV2).
     tower_by: "auto", "device" (one tower per device) or "scope" (one per top-level name scope).
     group_size: synchronize towers in consecutive groups of this many (default: all towers).
     timeout_seconds: CollectiveReduceV2's timeout, so a missing peer fails instead of hanging.

@@ -198,8 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _rewrite_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("rewrite")
-    group.add_argument("--backend", choices=["auto", "nccl", "collective"], default="auto",
-                       help="all-reduce op: NcclAllReduce (GPU towers) or CollectiveReduceV2; auto picks NCCL when every tower is a GPU")
+    group.add_argument("--backend", choices=["auto", "nccl", "local", "collective"], default="auto",
+                       help="all-reduce: NcclAllReduce (GPU towers), local (one AddN, towers of one process) or "
+                            "CollectiveReduceV2; auto picks NCCL when every tower is a GPU, else local unless "
+                            "several workers or batch norms inside control flow v2 need collective")
     group.add_argument("--tower-by", choices=["auto", "device", "scope"], default="auto",
                        help="tell towers apart by device or by top-level name scope (default: device when sites span several)")
     group.add_argument("--group-size", type=_positive_int, metavar="G",

@@ -1,8 +1,17 @@
-"""The all-reduce ops bnrewrite inserts: NCCL on GPU towers, TF collectives elsewhere.
+"""The all-reduces bnrewrite inserts: NCCL on GPU towers, a local sum on other towers of one
+process, TF collectives across workers (and wherever asked for).
 
 Every all-reduce belongs to a sync group (a set of towers; its `group_key`) and has an
 `instance_key` shared by all its members and unique within the graph, so NCCL's
 `shared_name` and the collective runtime's keys both identify it.
+
+"local" sums the members' inputs with one AddN on the first member's device, which every
+member reads through an Identity of its own. The graph sees every tower, so it can: on
+virtual CPU devices a CollectiveReduceV2 of a few hundred bytes takes 200-280 µs from
+launch to result (its ring passes the data K-1 times each way, a thread hop per pass)
+where the AddN and the copies take ~9 µs (tools/bench_collectives.py). It cannot reach
+into function bodies (control flow v2 branches) or other workers: those need the
+rendezvous by keys that NCCL and the collective runtime provide.
 """
 
 from __future__ import annotations
@@ -13,7 +22,9 @@ from bnrewrite.errors import BackendError
 from bnrewrite.graph import Device
 from bnrewrite.nodes import Builder, DType
 
-BACKENDS = ("auto", "nccl", "collective")
+BACKENDS = ("auto", "nccl", "local", "collective")
+#: All-reduce ops that meet their peers by keys, so every tower must launch them in one order
+#: (order_collectives); a local sum is an ordinary op and needs none.
 COLLECTIVE_OPS = frozenset({"NcclAllReduce", "CollectiveReduceV2"})
 #: Attribute on each inserted all-reduce: its instance key, for ordering.
 INSTANCE_ATTR = "_bnrewrite_instance"
@@ -35,8 +46,10 @@ class Collective:
         return f"bnrewrite_g{self.group_key}_i{self.instance_key}"
 
 
-def choose_backend(backend: str, devices: list[Device], num_workers: int = 1) -> str:
-    """'auto' picks NCCL when every tower is a GPU (and one worker); checks the devices allow it.
+def choose_backend(backend: str, devices: list[Device], num_workers: int = 1, in_functions: str = "") -> str:
+    """'auto' picks NCCL when every tower is a GPU (and one worker), else the local sum when
+    the towers are devices of one process and no synced op is inside a function
+    (`in_functions` names one that is), else the collective runtime; checks the devices allow it.
 
     NcclAllReduce only reaches devices of one process: across workers the collective runtime
     is used, with communication hint "nccl" on GPUs.
@@ -45,7 +58,13 @@ def choose_backend(backend: str, devices: list[Device], num_workers: int = 1) ->
         raise BackendError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     on_gpu = all(d.type == "GPU" for d in devices)
     if backend == "auto":
-        backend = "nccl" if on_gpu and num_workers == 1 else "collective"
+        backend = "nccl" if on_gpu and num_workers == 1 else "local" if num_workers == 1 and not in_functions else "collective"
+    if backend == "local" and num_workers > 1:
+        raise BackendError('backend local sums inside one process; with several workers use backend="collective"')
+    if backend == "local" and in_functions:
+        raise BackendError(
+            f"backend local cannot reach {in_functions}, which is inside a function (a control flow v2 branch); "
+            'use backend="collective" or "nccl"')
     if backend == "nccl" and not on_gpu:
         others = sorted({str(d) or "(no device)" for d in devices if d.type != "GPU"})
         raise BackendError(f"backend nccl needs every tower on a GPU, but towers sit on {', '.join(others)}; use backend=\"collective\"")
@@ -59,6 +78,8 @@ def choose_backend(backend: str, devices: list[Device], num_workers: int = 1) ->
 
 def all_reduce(builder: Builder, name: str, tensor: str, dtype: int, key: Collective) -> str:
     """Sum `tensor` over the sync group; returns the reduced tensor."""
+    if key.backend == "local":
+        return _local_sum(builder, name, tensor, dtype, key)
     if key.backend == "nccl":
         return builder.node(
             "NcclAllReduce", name, [tensor], T=DType(dtype), reduction="sum",
@@ -73,3 +94,16 @@ def all_reduce(builder: Builder, name: str, tensor: str, dtype: int, key: Collec
         is_stateless=False, Nordering_token=0, max_subdivs_per_device=-1, **{INSTANCE_ATTR: key.instance_key},
     )
 
+
+
+def _local_sum(builder: Builder, name: str, tensor: str, dtype: int, key: Collective) -> str:
+    """The first member creates the AddN on its device; the others add their input to it."""
+    total = builder.shared.sums.get(key.shared_name)
+    if total is None:
+        total = builder.node("AddN", f"{name}/sum", [tensor], T=DType(dtype), N=1)
+        builder.shared.sums[key.shared_name] = total
+    else:
+        node = builder.editor.mutable(total)
+        node.input.append(tensor)
+        node.attr["N"].i = len(node.input)
+    return builder.node("Identity", name, [total], T=DType(dtype), **{INSTANCE_ATTR: key.instance_key})

@@ -7,7 +7,7 @@ that `T=DType(DT_FLOAT)` is told apart from an integer attribute.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -65,6 +65,15 @@ def set_attr(node: node_def_pb2.NodeDef, key: str, value: object) -> None:
 ConstPool = dict[tuple[str, str, tuple[str, tuple[int, ...], bytes]], str]
 
 
+@dataclass
+class Shared:
+    """What the builders of one pass share: its constants, and the sum node of each local
+    all-reduce (its shared name -> the AddN every member adds its input to)."""
+
+    consts: ConstPool = field(default_factory=dict)
+    sums: dict[str, str] = field(default_factory=dict)
+
+
 def _body_of(scope: str) -> str:
     """The flattened function body a scope lies in ('' for the graph itself): constants are
     shared only within one, since each body is written back to a FunctionDef of its own.
@@ -82,15 +91,15 @@ def _body_of(scope: str) -> str:
 class Builder:
     """Adds nodes named `<scope>/<name>` on `device` to an Editor, each carrying MARK.
 
-    Constants come from `consts`, shared with the other builders of the same pass.
+    Constants (and local all-reduces) are `shared` with the other builders of the same pass.
     """
 
-    def __init__(self, editor: Editor, scope: str, device: str, layer: str, consts: ConstPool) -> None:
+    def __init__(self, editor: Editor, scope: str, device: str, layer: str, shared: Shared) -> None:
         self.editor = editor
         self.scope = scope
         self.device = device
         self.layer = layer
-        self.consts = consts
+        self.shared = shared
         self._mark = layer.encode()
 
     def node(self, op: str, name: str, inputs: Sequence[str], **attrs: object) -> str:
@@ -107,10 +116,11 @@ class Builder:
         array = np.asarray(value, dtype=dtype)
         value = (array.dtype.str, array.shape, array.tobytes())
         slot = (self.device, _body_of(self.scope), value)
-        if slot not in self.consts:
+        consts = self.shared.consts
+        if slot not in consts:
             attr = _tensor_attr(*value)
-            self.consts[slot] = self.node("Const", name, [], dtype=DType(attr.tensor.dtype), value=attr)
-        return self.consts[slot]
+            consts[slot] = self.node("Const", name, [], dtype=DType(attr.tensor.dtype), value=attr)
+        return consts[slot]
 
     def cast(self, name: str, tensor: str, src: int, dst: int) -> str:
         if src == dst:

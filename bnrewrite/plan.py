@@ -82,7 +82,9 @@ def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
         raise BnRewriteError(f"group size {size} must be at least 2 and divide the number of towers ({len(towers.ids)})")
     sync_groups = tuple(towers.ids[i:i + size] for i in range(0, len(towers.ids), size))
     devices = [site.device for site in towers.groups[0].sites]
-    backend = choose_backend(options.backend, devices, options.num_workers)
+    inside = next((name for group in towers.groups for site in group.sites for name in (site.name, *site.grads)
+                   if in_body(name)), "")
+    backend = choose_backend(options.backend, devices, options.num_workers, inside)
     return Plan(towers, backend, sync_groups, options)
 
 

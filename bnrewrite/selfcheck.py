@@ -89,12 +89,13 @@ def _figure(value: float | None) -> str:
 
 
 def check(backend: str = "auto", towers: int | None = None, steps: int = 4, timeout_seconds: float = 120.0) -> CheckReport:
-    """Run every case with `backend` ("auto": NCCL on 2 or more GPUs, else the collective backend
-    on virtual CPUs) on `towers` towers (default: every GPU, or 2 virtual CPUs)."""
+    """Run every case with `backend` ("auto": NCCL on 2 or more GPUs, else the local backend on
+    virtual CPUs) on `towers` towers (default: every GPU, or 2 virtual CPUs)."""
+    from bnrewrite.collectives import BACKENDS
     from bnrewrite.errors import BackendError
 
-    if backend not in ("auto", "nccl", "collective"):
-        raise BackendError(f"unknown backend {backend!r}; choose auto, nccl or collective")
+    if backend not in BACKENDS:
+        raise BackendError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if steps < 2:
         raise BackendError(f"steps={steps}: the check needs at least 2 steps (the first is not timed)")
     if towers is not None and towers < 2:
@@ -102,8 +103,8 @@ def check(backend: str = "auto", towers: int | None = None, steps: int = 4, time
     gpus = _gpu_count(timeout_seconds)
     skipped = []
     if backend == "auto":
-        backend = "nccl" if gpus >= 2 else "collective"
-        if backend == "collective":
+        backend = "nccl" if gpus >= 2 else "local"
+        if backend == "local":
             skipped.append(f"nccl: skipped: TensorFlow sees {gpus} GPU(s) here; NCCL needs 2 or more "
                            "(with one GPU, --backend nccl --towers 2 tries two logical GPUs on it)")
     if backend == "nccl" and not gpus:
@@ -332,8 +333,8 @@ def _max_rel_error(got: dict[str, Any], expected: dict[str, Any]) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", choices=["auto", "nccl", "collective"], default="auto",
-                        help="auto: NCCL when TensorFlow sees 2 or more GPUs, else the collective backend on virtual CPUs")
+    parser.add_argument("--backend", choices=["auto", "nccl", "local", "collective"], default="auto",
+                        help="auto: NCCL when TensorFlow sees 2 or more GPUs, else the local backend on virtual CPUs")
     parser.add_argument("--towers", type=int, metavar="K", help="towers (default: every GPU, or 2 virtual CPUs)")
     parser.add_argument("--steps", type=int, default=4, metavar="N", help="training steps per graph (default 4)")
     parser.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",

@@ -25,8 +25,7 @@ from typing import Any
 from bnrewrite.errors import BnRewriteError, OutputError
 
 MARK = "_bnrewrite"  # = bnrewrite.nodes.MARK (not imported: that module imports TensorFlow)
-COLLECTIVE_OPS = frozenset({"NcclAllReduce", "CollectiveReduceV2"})  # = bnrewrite.collectives
-INSTANCE_ATTR = "_bnrewrite_instance"
+INSTANCE_ATTR = "_bnrewrite_instance"  # = bnrewrite.collectives: on each tower's all-reduce (NCCL, collective, local)
 _TEXT = frozenset({".dot", ".gv"})
 _RENDERED = {".svg": "svg", ".png": "png", ".pdf": "pdf"}
 # The graphviz-pure dependency (a static port of Graphviz's dot) renders these without a system Graphviz.
@@ -123,7 +122,7 @@ def diff_entries(a: Any, b: Any) -> dict[str, Any]:
         layer = marks_b[name]
         if layer:
             rows[layer]["added"] += 1
-            rows[layer]["collectives"] += nodes_b[name].op in COLLECTIVE_OPS
+            rows[layer]["collectives"] += INSTANCE_ATTR in nodes_b[name].attr
         else:
             other["added"] += 1
     for name in changed:
@@ -259,7 +258,7 @@ def layer_dot(before: Any, after: Any, report: Any, layer: str) -> str:
     # After: the whole rewrite of the first tower; of the others, their all-reduces (the peers).
     core_b = [
         n for n, node in nodes_b.items()
-        if _mark(node) == layer and (under(n, first) or (node.op in COLLECTIVE_OPS and under(n, shown_towers)))
+        if _mark(node) == layer and (under(n, first) or (INSTANCE_ATTR in node.attr and under(n, shown_towers)))
     ]
     towers = ", ".join(row.towers[:k_shown]) + (f" (of {len(row.towers)})" if len(row.towers) > k_shown else "")
     title = f"bnrewrite: layer {layer}, towers {towers}; backend {report.backend}"
@@ -276,7 +275,7 @@ def layer_dot(before: Any, after: Any, report: Any, layer: str) -> str:
     lines += _cluster("after", f"after ({row.towers[0]} in full; other towers: their all-reduces): "
                       "global-batch statistics; removed ops dashed",
                       nodes_b, core_b, removed=removed, removed_from={n: nodes_a[n].input for n in removed if n in nodes_a},
-                      status=lambda n: "collective" if nodes_b[n].op in COLLECTIVE_OPS else "replaced" if n in nodes_a else "added")
+                      status=lambda n: "collective" if INSTANCE_ATTR in nodes_b[n].attr else "replaced" if n in nodes_a else "added")
     lines += _peer_edges(nodes_b, core_b)
     lines += [
         '  subgraph cluster_legend { label="legend"; fontsize=10; color="#bbbbbb";',
@@ -297,7 +296,7 @@ def _peer_edges(nodes: dict[str, Any], names: list[str]) -> list[str]:
     by_instance: dict[int, list[str]] = defaultdict(list)
     for name in names:
         node = nodes[name]
-        if node.op in COLLECTIVE_OPS and INSTANCE_ATTR in node.attr:
+        if INSTANCE_ATTR in node.attr:
             by_instance[node.attr[INSTANCE_ATTR].i].append(name)
     lines = []
     for members in by_instance.values():

@@ -164,7 +164,8 @@ def test_convert_outputs_report_dot_tensorboard(session):
     assert body["totals"]["layers_synced"] == 2 and body["totals"]["collectives_added"] == 8
     assert [row["layer"] for row in body["layers"]] == ["net/bn1", "net/bn2"]
     dot = open(os.path.join(session.root, "layer.dot")).read()
-    assert dot.startswith("digraph") and "CollectiveReduceV2" in dot and "removed:" in dot and "dashed" in dot
+    assert dot.startswith("digraph") and "removed:" in dot and "dashed" in dot
+    assert "all_reduce/sum" in dot and 'label="all-reduce"' in dot  # the local sum and its members, linked
     for run in ("before", "after"):
         events = os.listdir(os.path.join(session.root, "tb", run))
         assert len(events) == 1 and events[0].startswith("events.out.tfevents")
@@ -216,12 +217,13 @@ def test_diff(session):
     proc = session.runs[("diff", "pb")]
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert re.search(r"CollectiveReduceV2\s+0 -> 8", out)
+    added = re.search(r"AddN\s+(\d+) -> (\d+)", out)  # one local sum per layer and direction
+    assert added and int(added[2]) - int(added[1]) == 4, out
     assert re.search(r"IdentityN\s+0 -> 8", out)
     assert re.search(r"net/bn1: \d+ added, 4 replaced \(FusedBatchNormGradV3 x2, FusedBatchNormV3 x2\), 15 removed", out)
     document = json.loads(session.runs[("diff-json", "saved")].stdout)
     train, serve = document["graphs"]
-    assert train["tags"] == ["train"] and train["op_counts"]["CollectiveReduceV2"] == [0, 8]
+    assert train["tags"] == ["train"] and train["op_counts"]["AddN"][1] - train["op_counts"]["AddN"][0] == 4
     assert train["layers"]["net/bn1"]["collectives"] == 4
     assert serve["tags"] == ["serve"] and serve["op_counts"] == {} and not serve["added"] and not serve["removed"]
 

@@ -44,9 +44,10 @@ def run_oracle(spec: Spec, **options) -> tuple[float, float, dict]:
     return max_rel_error(synced, expected), max_rel_error(unsynced, expected), rel_errors(synced, expected)
 
 
+@pytest.mark.parametrize("backend", ["local", "collective"])
 @pytest.mark.parametrize("spec", CASES, ids=_case_id)
-def test_rewritten_towers_train_like_one_device(spec):
-    synced, unsynced, detail = run_oracle(spec, backend="collective")
-    print(f"{_case_id(spec)}: synced {synced:.2e}, unsynced {unsynced:.2e}")
+def test_rewritten_towers_train_like_one_device(spec, backend):
+    synced, unsynced, detail = run_oracle(spec, backend=backend)
+    print(f"{_case_id(spec)} {backend}: synced {synced:.2e}, unsynced {unsynced:.2e}")
     assert unsynced > UNSYNCED_AT_LEAST, "the un-rewritten graph matched: this oracle cannot fail"
     assert synced <= TOLERANCE[spec.dtype], detail

@@ -1,6 +1,6 @@
 """`bnrewrite check` / `bnrewrite.check()`: the oracle a user runs on their own machine.
 
-Here (no GPU) it runs the collective backend on virtual CPUs and says NCCL was skipped; a
+Here (no GPU) it runs the local backend on virtual CPUs and says NCCL was skipped; a
 case that does not finish in time is stopped and named with the phase it was in, never hung.
 """
 
@@ -24,7 +24,7 @@ def test_check_passes_on_virtual_cpus_and_skips_nccl():
     proc = _cli("--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["passed"] and report["backend"] == "collective"
+    assert report["passed"] and report["backend"] == "local"
     assert report["devices"] == "2 virtual CPU devices"
     assert any(s.startswith("nccl: skipped") for s in report["skipped"])
     assert [c["case"] for c in report["cases"]] == [f"{norm} {fmt}" for norm, fmt in CASES]

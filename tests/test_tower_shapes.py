@@ -210,8 +210,11 @@ def test_nan_counts_as_mismatch():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layer", ["legacy", "fused_op", "legacy_cond_v1", "legacy_cond_v2"])
-def test_sync_groups_train_like_devices_with_the_group_batch(layer):
+@pytest.mark.parametrize("layer, backend", [
+    ("legacy", "collective"), ("fused_op", "collective"), ("legacy_cond_v1", "collective"), ("legacy_cond_v2", "collective"),
+    ("legacy", "local"), ("legacy_cond_v1", "local"),
+])
+def test_sync_groups_train_like_devices_with_the_group_batch(layer, backend):
     """K=4, group_size=2 is 2 un-rewritten devices with 2*B examples each.
 
     train() gives device d of the reference the d-th half of each global batch, i.e. towers
@@ -225,14 +228,14 @@ def test_sync_groups_train_like_devices_with_the_group_batch(layer):
     b = 2
     spec = Spec(towers=4, batch=b, layer=layer)
     built = build_towers(spec)
-    result = rewrite_graph(built.graph, backend="collective", group_size=2)
+    result = rewrite_graph(built.graph, backend=backend, group_size=2)
     data = make_batches(spec, STEPS)
     ref = build_towers(Spec(towers=2, batch=2 * b, layer=layer, tower0_updates_only=True))
     expected = train(ref.graph, ref, data, num_devices=2)
     synced = train(result.graph_def, built, data, num_devices=4)
     unsynced = train(built.graph, built, data, num_devices=4)
     got, without = max_rel_error(synced, expected), max_rel_error(unsynced, expected)
-    print(f"groups-{layer}: synced {got:.2e}, unsynced {without:.2e}")
+    print(f"groups-{layer} {backend}: synced {got:.2e}, unsynced {without:.2e}")
     assert without > UNSYNCED_AT_LEAST, "the un-rewritten graph matched: this oracle cannot fail"
     assert got <= TOLERANCE, rel_errors(synced, expected)
     errors = rel_errors(synced, expected)

@@ -60,9 +60,9 @@ def train_then_eval(graph_like, built, batches, eval_batch, num_devices, evaluat
     return Result(np.asarray(losses, np.float64), values), eval_loss
 
 
-def _oracle(spec, evaluate):
+def _oracle(spec, evaluate, backend="collective"):
     built = build_towers(spec)
-    result = rewrite_graph(built.graph, backend="collective")
+    result = rewrite_graph(built.graph, backend=backend)
     batches = make_batches(spec, STEPS + 1)
     train_batches, eval_batch = batches[:STEPS], batches[STEPS]
     ref = build_reference(spec)
@@ -89,9 +89,14 @@ def _oracle(spec, evaluate):
     ],
     ids=lambda s: f"K{s.towers}-{s.layer}-{s.data_format}" + ("-renorm" if s.renorm else ""),
 )
-def test_unfused_and_cond_train_like_one_device(spec):
+@pytest.mark.parametrize("backend", ["collective", "auto"])
+def test_unfused_and_cond_train_like_one_device(spec, backend):
+    """backend auto: the local sum, except under control flow v2, whose all-reduces sit in
+    branch functions that only keyed all-reduces reach."""
     evaluate = "cond" in spec.layer
-    result, expected, expected_eval, synced, synced_eval, unsynced = _oracle(spec, evaluate)
+    result, expected, expected_eval, synced, synced_eval, unsynced = _oracle(spec, evaluate, backend)
+    if backend == "auto":
+        assert result.report.backend == ("collective" if spec.layer.endswith("_v2") else "local")
     assert_synced(f"{spec.layer} K={spec.towers} {spec.data_format}", synced, unsynced, expected, TOLERANCE)
     assert all(row.collectives == 2 * spec.towers for row in result.report.layers)
     if evaluate:

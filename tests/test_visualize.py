@@ -60,7 +60,7 @@ def test_svg_without_system_dot(rendered):
     assert f"note: {path}: layer net/bn1 before/after" in proc.stdout
     svg = open(path, encoding="utf-8").read()
     assert svg.startswith("<?xml") and "<svg" in svg and svg.rstrip().endswith("</svg>")
-    for name in ("tower_0/net/bn1/FusedBatchNormV3", "tower_1/net/bn1/FusedBatchNormV3", "CollectiveReduceV2",
+    for name in ("tower_0/net/bn1/FusedBatchNormV3", "tower_1/net/bn1/FusedBatchNormV3", "all_reduce/sum",
                  "removed: duplicate update", "legend"):
         assert name in svg, name
 

@@ -5,11 +5,16 @@ pool, dense, softmax cross entropy; one tower per device; gradients averaged, Mo
 the same batches:
 
 - `unsynced`: the graph as built (each tower normalizes with its own batch's statistics);
-- `bnrewrite`: that graph after `rewrite_graph`;
-- `model_sync`: synchronized batch norm written in model code (tools/model_sync_bn.py);
+- `bnrewrite`: that graph after `rewrite_graph` with the backend it picks (NCCL on GPUs, the
+  local AddN on virtual CPUs);
+- `model_sync`: synchronized batch norm written in model code (tools/model_sync_bn.py), with
+  NCCL on GPUs and CollectiveReduceV2 on CPUs: model code builds one tower after the other, so
+  no op of its own can take every tower's input; it must meet the others by keys;
 - `keras_sync`: tf_keras's `BatchNormalization(synchronized=True)` under MirroredStrategy;
-- `floor`: the unsynced graph plus all-reduces of the sizes, dtypes and places of bnrewrite's,
-  whose results nothing uses: what synchronizing costs at the least.
+- `floor`: the unsynced graph plus all-reduces of the sizes, dtypes, places and kind of
+  bnrewrite's, whose results nothing uses: what synchronizing costs at the least;
+- `bnrewrite_collective`, `floor_collective`: the same with CollectiveReduceV2, the all-reduce
+  model code uses on CPUs: the like-for-like comparison of the arithmetic.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import model_sync_bn
 
 tf1 = tf.compat.v1
 
-VARIANTS = ("unsynced", "bnrewrite", "model_sync", "keras_sync", "floor")
+VARIANTS = ("unsynced", "bnrewrite", "model_sync", "keras_sync", "floor", "bnrewrite_collective", "floor_collective")
 #: Group key of the floor's all-reduces (bnrewrite uses 0x5B00, model code 0x7E00).
 FLOOR_GROUP_KEY = 0x7F00
 
@@ -62,18 +67,19 @@ def tower_inputs(towers: int) -> list[tuple[str, str]]:
 
 
 def build_variants(names: list[str], towers: int, size: Size, dtype: str, device: str) -> list[Variant]:
-    """The variants named, in that order. bnrewrite, model code and the floor use NCCL on GPU
-    towers and CollectiveReduceV2 on CPU ones."""
+    """The variants named, in that order."""
     from bnrewrite import rewrite_graph
 
-    backend = "nccl" if device == "gpu" else "collective"
     sizes = dict(channels=size.channels, image=size.image, batch=size.batch, device=device, dtype=dtype)
     plain = deep_net.build_graph_def(towers, size.layers, **sizes)
+    chosen = rewrite_graph(plain)
     builders = {
         "unsynced": lambda: plain,
-        "bnrewrite": lambda: rewrite_graph(plain, backend=backend).graph_def,
+        "bnrewrite": lambda: chosen.graph_def,
         "model_sync": lambda: deep_net.build_graph_def(towers, size.layers, bn="model_sync", **sizes),
-        "floor": lambda: floor_graph_def(plain, backend),
+        "floor": lambda: floor_graph_def(plain, chosen.report.backend),
+        "bnrewrite_collective": lambda: rewrite_graph(plain, backend="collective").graph_def,
+        "floor_collective": lambda: floor_graph_def(plain, "collective"),
     }
     variants = []
     for name in names:
@@ -87,10 +93,11 @@ def build_variants(names: list[str], towers: int, size: Size, dtype: str, device
 def floor_graph_def(graph_def: tf1.GraphDef, backend: str) -> tf1.GraphDef:
     """`graph_def` (deep_net, FusedBatchNormV3) plus, per batch-norm layer and tower, the
     all-reduces bnrewrite adds — one float64 [2C+1] fed by a slice of the layer's input, one
-    float32 [2C] fed by a slice of its incoming gradient — chained per tower in one order
-    (forward layers, then gradients as autodiff built them) as bnrewrite orders its own, and run
-    through control edges into `train_op`. Their results are unused: the step pays for the
-    transfers and the waiting, not for any statistics."""
+    float32 [2C] fed by a slice of its incoming gradient — run through control edges into
+    `train_op`. Their results are unused: the step pays for the transfers and the waiting, not
+    for any statistics. NCCL and collective all-reduces are chained per tower in one order
+    (forward layers, then gradients as autodiff built them) as bnrewrite orders its own; local
+    ones are an AddN on the first tower's device and an Identity on each tower's."""
     graph = tf.Graph()
     with graph.as_default():
         tf.graph_util.import_graph_def(graph_def, name="")
@@ -101,12 +108,23 @@ def floor_graph_def(graph_def: tf1.GraphDef, backend: str) -> tf1.GraphDef:
                 forward = op.type == "FusedBatchNormV3"
                 member = (op.inputs[0], 2 * channels + 1 if forward else 2 * channels, tf.float64 if forward else tf.float32)
                 members.setdefault(op.device, []).append(member)
-        reduces = []
+        pieces: dict[str, list[tf.Tensor]] = {}
         for device, tower_members in members.items():
+            with tf.device(device), tf.name_scope("floor"):
+                pieces[device] = [tf.cast(tf.slice(tf.reshape(source, [-1]), [0], [count]), dtype)
+                                  for source, count, dtype in tower_members]
+        reduces = []
+        if backend == "local":
+            for instance in zip(*pieces.values()):
+                with tf.device(next(iter(pieces))), tf.name_scope("floor"):
+                    total = tf.add_n(list(instance))
+                for device in pieces:
+                    with tf.device(device), tf.name_scope("floor"):
+                        reduces.append(tf.identity(total).op)
+        for device, tower_pieces in pieces.items() if backend != "local" else ():
             previous: list[tf.Operation] = []
             with tf.device(device), tf.name_scope("floor"):
-                for instance, (source, count, dtype) in enumerate(tower_members):
-                    piece = tf.cast(tf.slice(tf.reshape(source, [-1]), [0], [count]), dtype)
+                for instance, piece in enumerate(tower_pieces):
                     previous = [model_sync_bn.all_reduce(
                         piece, len(members), FLOOR_GROUP_KEY, instance, backend, after=previous).op]
                     reduces += previous

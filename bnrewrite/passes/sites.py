@@ -8,7 +8,7 @@ from typing import Callable
 
 from bnrewrite.graph import Editor, Graph
 from bnrewrite.match.sites import Site
-from bnrewrite.nodes import Builder, ConstPool
+from bnrewrite.nodes import Builder, Shared
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.plan import Plan
 
@@ -24,23 +24,23 @@ class SiteContext:
     tower: str
     key: str  # the layer's name, marked on every new node
     record: PassRecord
-    consts: ConstPool  # shared by every site of the pass
+    shared: Shared  # by every site of the pass
 
     def builder(self, next_to: str, suffix: str, device: str) -> Builder:
         """A Builder for new nodes in a fresh scope beside `next_to`, on `device`."""
-        return Builder(self.editor, layer_scope(self.editor, next_to, suffix), device, self.key, self.consts)
+        return Builder(self.editor, layer_scope(self.editor, next_to, suffix), device, self.key, self.shared)
 
 
 def each_site(graph: Graph, plan: Plan, name: str, kind: str, rewrite: Callable[[Site, SiteContext], None]) -> tuple[Graph, PassRecord]:
     """Run `rewrite` on every synced site of `kind`; returns the new graph and the record."""
     record = PassRecord(name)
     editor = graph.edit()
-    consts: ConstPool = {}
+    shared = Shared()
     for layer, group in enumerate(plan.groups):
         if group.sites[0].kind != kind:
             continue
         for tower, site in zip(plan.towers.ids, group.sites):
-            rewrite(site, SiteContext(editor, graph, plan, layer, tower, group.key, record, consts))
+            rewrite(site, SiteContext(editor, graph, plan, layer, tower, group.key, record, shared))
     result = editor.finish()
     record.added = len(result) - len(graph)
     return result, record
