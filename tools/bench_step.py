@@ -1,13 +1,17 @@
 """Step cost: what synchronized batch norm costs per training step, side by side with the alternatives.
 
     python tools/bench_step.py [--towers 4] [--sizes default,large] [--dtypes float32,float16]
-                               [--variants unsynced,bnrewrite,model_sync,keras_sync,floor]
+                               [--variants unsynced,bnrewrite,model_sync,keras_sync,floor,
+                                           bnrewrite_collective,floor_collective]
                                [--steps 30] [--warmup 5] [--block 2] [--traces 3] [--quick]
 
 One process, K virtual CPU devices (`device_count={"CPU": K}`), one tower per device, the
-tools/deep_net.py model; the variants (tools/step_variants.py: unsynced, bnrewrite, model-code
-sync BN as tensorpack writes it, tf_keras's synchronized layer under MirroredStrategy, and the
-floor: the unsynced graph plus bnrewrite's all-reduces with unused results) are fed the same
+tools/deep_net.py model; the variants (tools/step_variants.py: unsynced, bnrewrite with the
+backend it picks (local here), model-code sync BN as tensorpack writes it (CollectiveReduceV2:
+model code cannot sum every tower's input in one op), tf_keras's synchronized layer under
+MirroredStrategy, the floor: the unsynced graph plus bnrewrite's all-reduces with unused
+results, and bnrewrite and its floor with CollectiveReduceV2, like for like with the model
+code) are fed the same
 batches and timed in alternating blocks of steps, so they share the machine's load: median
 wall time per step, and the process's CPU time per step (the steadier figure when other
 processes share the cores). Then each runs `--traces` steps traced (FULL_TRACE), also
@@ -19,7 +23,8 @@ alternating, for:
   allocator (`mklcpu`), which also holds the other sessions' variables.
 - extra time over unsynced by op type: the sum of op durations per op type (as the op ran,
   after Grappler and oneDNN rewrites), synced minus unsynced, on all devices together; also
-  bnrewrite minus the floor. With K devices on fewer cores the ops' durations overlap and
+  bnrewrite minus its floor (for each backend). Op time is the kernels' own: the executor's
+  work between ops (scheduling, copies between devices) shows only in the step times. With K devices on fewer cores the ops' durations overlap and
   include waiting for a core; an all-reduce's includes waiting for the slowest tower.
 
 Sizes: `default` (10 conv+BN layers, 32 channels, 16x16, 8 per tower) and `large` (64

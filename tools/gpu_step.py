@@ -2,11 +2,13 @@
 with the alternatives (the comparison tools/bench_step.py makes on virtual CPU devices).
 
     python tools/gpu_step.py [--towers N] [--sizes default,large,gpu] [--dtypes float32,float16]
-                             [--variants unsynced,bnrewrite,model_sync,keras_sync,floor]
+                             [--variants unsynced,bnrewrite,model_sync,keras_sync,floor,
+                                         bnrewrite_collective,floor_collective]
                              [--steps 30] [--warmup 5] [--block 2] [--traces 3] [--quick]
 
 One tower per GPU (all of them unless --towers), the tools/deep_net.py model; bnrewrite,
-model-code sync BN and the floor all-reduce with NCCL (`NcclAllReduce`), tf_keras's
+model-code sync BN and the floor all-reduce with NCCL (`NcclAllReduce`; the *_collective
+variants with CollectiveReduceV2), tf_keras's
 synchronized layer with MirroredStrategy's collective all-reduce over NCCL. Prints, per size and
 dtype, the median step time of each variant, its ratio to unsynced, the peak of each GPU's
 allocator, the extra op time by op type and the issue's goal lines. On GPUs the traced op

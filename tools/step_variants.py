@@ -97,7 +97,8 @@ def floor_graph_def(graph_def: tf1.GraphDef, backend: str) -> tf1.GraphDef:
     `train_op`. Their results are unused: the step pays for the transfers and the waiting, not
     for any statistics. NCCL and collective all-reduces are chained per tower in one order
     (forward layers, then gradients as autodiff built them) as bnrewrite orders its own; local
-    ones are an AddN on the first tower's device and an Identity on each tower's."""
+    ones are an AddN on the first tower's device and an Identity on each tower's, read by an
+    Assert (stateful, so that Grappler keeps them)."""
     graph = tf.Graph()
     with graph.as_default():
         tf.graph_util.import_graph_def(graph_def, name="")
@@ -120,7 +121,9 @@ def floor_graph_def(graph_def: tf1.GraphDef, backend: str) -> tf1.GraphDef:
                     total = tf.add_n(list(instance))
                 for device in pieces:
                     with tf.device(device), tf.name_scope("floor"):
-                        reduces.append(tf.identity(total).op)
+                        # A stateful reader: Grappler turns pure ops whose results only control
+                        # edges wait for into no-ops, and would drop the sum and its copies.
+                        reduces.append(tf.raw_ops.Assert(condition=tf.constant(True), data=[tf.identity(total)]))
         for device, tower_pieces in pieces.items() if backend != "local" else ():
             previous: list[tf.Operation] = []
             with tf.device(device), tf.name_scope("floor"):
