@@ -95,7 +95,6 @@ def all_reduce(builder: Builder, name: str, tensor: str, dtype: int, key: Collec
     )
 
 
-
 def _local_sum(builder: Builder, name: str, tensor: str, dtype: int, key: Collective) -> str:
     """The first member creates the AddN on its device; the others add their input to it."""
     total = builder.shared.sums.get(key.shared_name)
