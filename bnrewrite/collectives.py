@@ -64,10 +64,10 @@ def choose_backend(backend: str, devices: list[Device], num_workers: int = 1, in
     if backend == "local" and in_functions:
         raise BackendError(
             f"backend local cannot reach {in_functions}, which is inside a function (a control flow v2 branch); "
-            'use backend="collective" or "nccl"')
+            'use backend="collective" (or backend="nccl" on GPUs)')
     if backend == "nccl" and not on_gpu:
         others = sorted({str(d) or "(no device)" for d in devices if d.type != "GPU"})
-        raise BackendError(f"backend nccl needs every tower on a GPU, but towers sit on {', '.join(others)}; use backend=\"collective\"")
+        raise BackendError(f"backend nccl needs every tower on a GPU, but towers sit on {', '.join(others)}; use backend=\"local\" (or backend=\"collective\" across workers)")
     if len(set(devices)) != len(devices):
         raise BackendError(
             "towers share a device (" + ", ".join(str(d) or "(no device)" for d in devices)

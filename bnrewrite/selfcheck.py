@@ -108,7 +108,7 @@ def check(backend: str = "auto", towers: int | None = None, steps: int = 4, time
             skipped.append(f"nccl: skipped: TensorFlow sees {gpus} GPU(s) here; NCCL needs 2 or more "
                            "(with one GPU, --backend nccl --towers 2 tries two logical GPUs on it)")
     if backend == "nccl" and not gpus:
-        raise BackendError('backend="nccl" needs GPUs, and TensorFlow sees none here; use backend="collective"')
+        raise BackendError('backend="nccl" needs GPUs, and TensorFlow sees none here; use backend="local"')
     device = "gpu" if backend == "nccl" else "cpu"
     towers = towers or max(gpus if backend == "nccl" else 2, 2)
     logical = device == "gpu" and towers > gpus

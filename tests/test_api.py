@@ -212,7 +212,7 @@ def test_bad_input_raises_specific_error(make, error, message):
 
 def test_bad_options():
     graph = build_towers(Spec(towers=2)).graph
-    with pytest.raises(bnrewrite.BackendError, match='nccl needs every tower on a GPU.*; use backend="collective"$'):
+    with pytest.raises(bnrewrite.BackendError, match=r'nccl needs every tower on a GPU.*; use backend="local" \(or backend="collective" across workers\)$'):
         rewrite_graph(graph, backend="nccl")  # in Python's words, not the command line's
     with pytest.raises(bnrewrite.BnRewriteError, match='with several workers use backend="collective"$'):
         rewrite_graph(graph, backend="nccl", num_workers=2, task_index=0)

@@ -270,7 +270,7 @@ def _bad_cases(files, work: str) -> dict:
         "one_tower": ([files.one_tower, "{out}"], 6, "only one tower"),
         "towers_do_not_line_up": ([files.mismatch, "{out}"], 7, "lines up"),
         "already_rewritten": ([os.path.join(inputs, "synced.pb"), "{out}"], 8, "already rewritten"),
-        "nccl_on_cpu": ([files.pb, "{out}", "--backend", "nccl"], 9, "GPU.*; use --backend collective$"),
+        "nccl_on_cpu": ([files.pb, "{out}", "--backend", "nccl"], 9, r"GPU.*; use --backend local \(or --backend collective across workers\)$"),
         "out_equals_in": ([files.pb, files.pb, "--force"], 10, "is the input"),
         "out_exists": ([files.pb, "{existing}"], 10, "already exists; pass --force"),
         "out_dir_unwritable": ([files.pb, os.path.join(inputs, "a_file", "out.pb")], 10, "not a directory"),

@@ -62,7 +62,7 @@ def test_sync_groups_sum_only_their_members():
 def test_control_flow_v2_needs_keyed_all_reduces():
     graph = build_towers(Spec(towers=2, layer="legacy_cond_v2")).graph
     assert rewrite_graph(graph).report.backend == "collective"
-    with pytest.raises(bnrewrite.BackendError, match=r"backend local cannot reach .*inside a function"):
+    with pytest.raises(bnrewrite.BackendError, match=r"backend local cannot reach .*inside a function.*; use backend=\"collective\" \(or backend=\"nccl\" on GPUs\)$"):
         rewrite_graph(graph, backend="local")
 
 

@@ -11,11 +11,12 @@ backend it picks (local here), model-code sync BN as tensorpack writes it (Colle
 model code cannot sum every tower's input in one op), tf_keras's synchronized layer under
 MirroredStrategy, the floor: the unsynced graph plus bnrewrite's all-reduces with unused
 results, and bnrewrite and its floor with CollectiveReduceV2, like for like with the model
-code) are fed the same
-batches and timed in alternating blocks of steps, so they share the machine's load: median
-wall time per step, and the process's CPU time per step (the steadier figure when other
-processes share the cores). Then each runs `--traces` steps traced (FULL_TRACE), also
-alternating, for:
+code) are fed the same batches and timed in alternating blocks of steps, so they share the
+machine's load: median wall time per step, and the process's CPU time per step (the steadier
+figure when other processes share the cores). Ratios and differences between variants (the
+"× unsynced" columns and the goal lines) are taken block by block and their median reported:
+the machine's speed drifts by several per cent within a run, and a block's variants see the
+same speed. Then each runs `--traces` steps traced (FULL_TRACE), also alternating, for:
 
 - peak memory per device: the live bytes of the step's allocations on that device, replayed
   from the allocator's per-op records (`node_stats.memory[*].allocation_records`). The
@@ -90,6 +91,7 @@ class Measured:
     step: float = float("nan")
     spread: float = float("nan")  # interquartile range of the step times
     cpu: float = float("nan")  # median process CPU time per step, all threads
+    blocks: list[tuple[float, float]] = field(default_factory=list)  # mean (wall, CPU) per block of steps
     traces: list[StepTrace] = field(default_factory=list)
 
     def median(self, attribute: str) -> dict[str, float]:
@@ -206,7 +208,9 @@ def measure(variants: list[Variant], towers: int, size: Size, steps: int, warmup
     for start in range(0, steps, block):
         batches = make_batches(towers, size, min(block, steps - start), seed=1 + start)
         for name, trainer in trainers.items():
-            times[name] += trainer.time_steps(batches)
+            timed = trainer.time_steps(batches)
+            times[name] += timed
+            measured[name].blocks.append(tuple(statistics.fmean(t[i] for t in timed) for i in (0, 1)))
     for i in range(traces):
         batch = make_batches(towers, size, 1, seed=10_000 + i)[0]
         for name, trainer in trainers.items():
@@ -218,6 +222,15 @@ def measure(variants: list[Variant], towers: int, size: Size, steps: int, warmup
         measured[name].cpu = statistics.median(c for _, c in times[name])
         trainer.session.close()
     return measured
+
+
+def paired(a: Measured, b: Measured, clock: str, ratio: bool) -> float:
+    """a over b (or a minus b), block by block, the median over the blocks: each block runs
+    every variant on the same batches back to back, so a drift of the machine's speed, which
+    on a shared machine moves every variant by several per cent within a run, cancels."""
+    i = 0 if clock == "wall" else 1
+    pairs = [(x[i], y[i]) for x, y in zip(a.blocks, b.blocks)]
+    return statistics.median(x / y if ratio else x - y for x, y in pairs) if pairs else float("nan")
 
 
 def print_config(title: str, measured: dict[str, Measured], top: int) -> None:
@@ -233,7 +246,8 @@ def print_config(title: str, measured: dict[str, Measured], top: int) -> None:
             print(f"{m.name:<11} {m.error}")
             continue
         peak = m.median("peak")
-        ratio, cpu_ratio = (m.step / base.step, m.cpu / base.cpu) if base and not base.error else (float("nan"),) * 2
+        ratio, cpu_ratio = ((paired(m, base, "wall", True), paired(m, base, "CPU", True)) if base and not base.error
+                            else (float("nan"),) * 2)
         worst = max((peak[d] / base.median("peak")[d] for d in devices), default=float("nan"))
         cells = " ".join(f"{peak.get(d, 0) / MIB:.2f}" for d in devices)
         print(f"{m.name:<11} {m.step * 1e3:>8.1f} {m.spread * 1e3:>6.1f} {ratio:>10.3f} {m.cpu * 1e3:>8.1f} "
@@ -277,14 +291,15 @@ def goal_lines(label: str, measured: dict[str, Measured], default_size: bool) ->
 
     lines = []
     for clock in ("wall", "CPU"):
-        step = {name: m.step if clock == "wall" else m.cpu for name, m in measured.items() if not m.error}
+        ok_names = {name for name, m in measured.items() if not m.error}
         for mine, floor in PAIRS:
-            if {mine, "model_sync", floor} <= set(step):
-                ours, theirs = step[mine] - step[floor], step["model_sync"] - step[floor]
+            if {mine, "model_sync", floor} <= ok_names:
+                ours = paired(measured[mine], measured[floor], clock, False)
+                theirs = paired(measured["model_sync"], measured[floor], clock, False)
                 lines.append(f"{label}, {clock} time: {mine} − {floor} = {ours * 1e3:.1f} ms ≤ ½ (model-code − {floor}) = "
                              f"{theirs * 500:.1f} ms: {ok(ours <= FLOOR_SHARE_GOAL * theirs)}")
-        if default_size and {"bnrewrite", "unsynced"} <= set(step):
-            ratio = step["bnrewrite"] / step["unsynced"]
+        if default_size and {"bnrewrite", "unsynced"} <= ok_names:
+            ratio = paired(measured["bnrewrite"], measured["unsynced"], clock, True)
             lines.append(f"{label}, {clock} time: synced / unsynced = {ratio:.3f} ≤ {STEP_RATIO_GOAL}: "
                          f"{ok(ratio <= STEP_RATIO_GOAL)}")
     synced, base = measured.get("bnrewrite"), measured.get("unsynced")
