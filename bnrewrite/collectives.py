@@ -7,9 +7,9 @@ Every all-reduce belongs to a sync group (a set of towers; its `group_key`) and 
 
 "local" sums the members' inputs with one AddN on the first member's device, which every
 member reads through an Identity of its own. The graph sees every tower, so it can: on 4
-virtual CPU devices a CollectiveReduceV2 of a few hundred bytes takes 220-260 µs from launch
+virtual CPU devices a CollectiveReduceV2 of a few hundred bytes takes 225-256 µs from launch
 to result (its ring passes the data K-1 times each way, a thread hop per pass) where the
-AddN and its copies take 20-30 µs (tools/bench_all_reduce.py). It cannot reach
+AddN and its copies take 24-34 µs (tools/bench_all_reduce.py). It cannot reach
 into function bodies (control flow v2 branches) or other workers: those need the
 rendezvous by keys that NCCL and the collective runtime provide.
 """
