@@ -263,6 +263,22 @@ class Graph:
     def device(self, name: str) -> Device:
         return _parse_device(self.node(name).device)
 
+    def static_elements(self, spec: str) -> int | None:
+        """The number of elements of tensor `spec` when the graph records its static shape
+        (`_output_shapes`, as tf.train.export_meta_graph writes), else None."""
+        src, output = parse_input(spec)
+        attrs = self.node(src).attr if src in self else {}
+        shapes = attrs["_output_shapes"].list.shape if "_output_shapes" in attrs else ()  # (reading adds a missing key)
+        if output < 0 or output >= len(shapes) or shapes[output].unknown_rank:
+            return None
+        sizes = [d.size for d in shapes[output].dim]
+        if any(size < 0 for size in sizes):
+            return None
+        total = 1
+        for size in sizes:
+            total *= size
+        return total
+
     def topological_order(self) -> list[str]:
         """Kahn's order over data and control edges, loop back-edges ignored.
 

@@ -11,6 +11,9 @@ once with MomentumOptimizer; `train_op = tf.group(apply, *UPDATE_OPS)` (every to
 moving-average updates). `device="gpu"` places towers on `/gpu:k` (building needs no GPU). Spatial sizes are tiny: building is quick and the graph structure
 (what the rewrite sees) is that of a real deep net.
 
+`shapes=True` records every tensor's static shape (`_output_shapes`), as
+tf.train.export_meta_graph does and as `rewrite_graph` sees a tf.Graph.
+
 `dtype="float16"` feeds float16 images, so convolutions and activations are float16 (the
 fused op keeps its statistics in float32); the loss is taken on float32 logits.
 `bn="model_sync"` replaces the legacy layer by tools/model_sync_bn.py's synchronized batch
@@ -43,7 +46,7 @@ BATCH_NORMS = ("fused", "model_sync")
 
 def build_graph_def(
     towers: int, layers: int, channels: int = 8, image: int = 4, batch: int = 2, device: str = "cpu",
-    variables: str = "shared", dtype: str = "float32", bn: str = "fused",
+    variables: str = "shared", dtype: str = "float32", bn: str = "fused", shapes: bool = False,
 ) -> tf.compat.v1.GraphDef:
     from tf_keras.src.legacy_tf_layers import convolutional, core, normalization
 
@@ -90,7 +93,7 @@ def build_graph_def(
         apply = opt.apply_gradients([(g, v) for grads in copies for g, (_, v) in zip(averaged, grads)])
         tf.group(apply, *tf1.get_collection(tf1.GraphKeys.UPDATE_OPS), name="train_op")
         tf1.global_variables_initializer()
-    return graph.as_graph_def()
+    return graph.as_graph_def(add_shapes=shapes)
 
 
 def cached_path(towers: int, layers: int, **kwargs: int | str) -> str:

@@ -70,7 +70,9 @@ def build_variants(names: list[str], towers: int, size: Size, dtype: str, device
     """The variants named, in that order."""
     from bnrewrite import rewrite_graph
 
-    sizes = dict(channels=size.channels, image=size.image, batch=size.batch, device=device, dtype=dtype)
+    # Static shapes recorded, as in a .meta or a tf.Graph: what lets the rewrite pick the fused
+    # kernels for large activations' backward.
+    sizes = dict(channels=size.channels, image=size.image, batch=size.batch, device=device, dtype=dtype, shapes=True)
     plain = deep_net.build_graph_def(towers, size.layers, **sizes)
     chosen = rewrite_graph(plain)
     builders = {

@@ -1,0 +1,76 @@
+"""When the backward of a synced fused layer takes the fused kernels instead of elementwise
+passes: float32, channels last, CPU towers, an activation whose recorded static shape has at
+least KERNEL_MIN_ELEMENTS elements per tower. Its numbers are tested in test_fused_math.py
+(both paths) and here through the oracle."""
+
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from bnrewrite import rewrite_graph
+from bnrewrite.passes import sync_backward as _sync_backward  # noqa: F401 (the module, below)
+from models import Spec, build_reference, build_towers, make_batches, max_rel_error, train
+
+tf1 = tf.compat.v1
+sync_backward_module = sys.modules["bnrewrite.passes.sync_backward"]
+
+
+def _towers(k: int, shape: tuple, data_format: str = "NHWC", dtype=tf.float32) -> tf.Graph:
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device("/cpu:0"):
+            channels = shape[-1 if data_format == "NHWC" else 1]
+            scale = tf1.get_variable("scale", initializer=np.ones(channels, np.float32))
+            offset = tf1.get_variable("offset", initializer=np.zeros(channels, np.float32))
+        for i in range(k):
+            with tf.device(f"/cpu:{i}"), tf.name_scope(f"tower_{i}"):
+                x = tf1.placeholder(dtype, shape, name="x")
+                y, _, _ = tf1.nn.fused_batch_norm(x, scale, offset, is_training=True, data_format=data_format)
+                tf.gradients(tf.reduce_sum(tf.cast(y, tf.float32) ** 2), [x, scale, offset])
+    return graph
+
+
+def _kernel_grads(graph_def) -> list[str]:
+    return [n.name for n in graph_def.node if n.op == "FusedBatchNormGradV3" and not n.attr["is_training"].b]
+
+
+LARGE = (2, 32, 64, 32)  # 131,072 elements per tower: KERNEL_MIN_ELEMENTS
+
+
+def test_large_channels_last_float32_takes_the_kernels():
+    assert np.prod(LARGE) == sync_backward_module.KERNEL_MIN_ELEMENTS
+    result = rewrite_graph(_towers(2, LARGE))
+    assert sorted(_kernel_grads(result.graph_def)) == [
+        f"tower_{i}/gradients/tower_{i}/FusedBatchNormV3_grad/sync_bn_grad/local" for i in range(2)]
+
+
+@pytest.mark.parametrize("why, graph", [
+    ("one element short", lambda: _towers(2, (2, 32, 64, 32 - 1))),
+    ("channels first", lambda: _towers(2, (2, 32, 32, 64), data_format="NCHW")),
+    ("half precision", lambda: _towers(2, LARGE, dtype=tf.float16)),
+    ("no static shapes recorded", lambda: _towers(2, LARGE).as_graph_def()),
+    ("batch size unknown", lambda: _towers(2, (None, *LARGE[1:]))),
+])
+def test_otherwise_the_elementwise_passes(why, graph):
+    result = rewrite_graph(graph())
+    assert not _kernel_grads(result.graph_def), why
+    assert any(n.name.endswith("sync_bn_grad/dy_minus_proj") for n in result.graph_def.node), why
+
+
+@pytest.mark.parametrize("spec", [Spec(towers=2, layer="legacy"), Spec(towers=4, layer="fused_op"),
+                                  Spec(towers=4, layer="legacy", batch=3)],
+                         ids=lambda s: f"K{s.towers}-{s.layer}")
+def test_kernel_path_trains_like_one_device(spec, monkeypatch):
+    monkeypatch.setattr(sync_backward_module, "KERNEL_MIN_ELEMENTS", 1)
+    built = build_towers(spec)
+    result = rewrite_graph(built.graph)
+    assert len(_kernel_grads(result.graph_def)) == spec.towers * len(result.report.layers)
+    data = make_batches(spec, 3)
+    ref = build_reference(spec)
+    expected = train(ref.graph, ref, data, num_devices=1)
+    synced = max_rel_error(train(result.graph_def, built, data, num_devices=spec.towers), expected)
+    unsynced = max_rel_error(train(built.graph, built, data, num_devices=spec.towers), expected)
+    print(f"kernel path K={spec.towers} {spec.layer}: synced {synced:.2e}, unsynced {unsynced:.2e}")
+    assert unsynced > 1e-2 and synced <= 2e-4
