@@ -13,6 +13,7 @@ unsynchronized batch norm is far off. tf_keras's own `BatchNormalization(synchro
 (not rewritten) checks the harness independently of bnrewrite.
 """
 
+import sys
 import warnings
 from typing import Callable
 
@@ -151,14 +152,21 @@ def _check_oracle(label: str, built: Built, synced_graph, unsynced: Built, refer
 # Not the full product: tf_keras's BatchNormalization builds the legacy layer's graph node for
 # node today, and strategy.run calls call_for_each_replica; each legacy kind meets both replica
 # counts and both entry points, each Keras kind one of them.
-@pytest.mark.parametrize(("kind", "replicas", "entry"), [
-    ("legacy_fused", 2, "run"), ("legacy_fused", 4, "call_for_each_replica"),
-    ("legacy_unfused", 2, "call_for_each_replica"), ("legacy_unfused", 4, "run"),
-    ("keras_fused", 2, "run"), ("keras_unfused", 4, "call_for_each_replica"),
+# path: the all-reduce backend, or "kernels": local with the fused-kernel backward at any size.
+@pytest.mark.parametrize(("kind", "replicas", "entry", "path"), [
+    ("legacy_fused", 2, "run", "collective"), ("legacy_fused", 4, "call_for_each_replica", "collective"),
+    ("legacy_unfused", 2, "call_for_each_replica", "collective"), ("legacy_unfused", 4, "run", "collective"),
+    ("keras_fused", 2, "run", "collective"), ("keras_unfused", 4, "call_for_each_replica", "collective"),
+    ("legacy_fused", 4, "run", "local"), ("legacy_unfused", 2, "run", "local"), ("keras_fused", 2, "run", "local"),
+    ("legacy_fused", 2, "call_for_each_replica", "kernels"), ("keras_fused", 4, "run", "kernels"),
 ])
-def test_mirrored_strategy_trains_like_one_device(kind: str, replicas: int, entry: str) -> None:
+def test_mirrored_strategy_trains_like_one_device(kind: str, replicas: int, entry: str, path: str, monkeypatch) -> None:
     built = _build(kind, replicas, BATCH, entry)
-    result = rewrite_graph(built.graph, backend="collective")
+    if path == "kernels":
+        monkeypatch.setattr(sys.modules["bnrewrite.passes.sync_backward"], "KERNEL_MIN_ELEMENTS", 1)
+    result = rewrite_graph(built.graph, backend="collective" if path == "collective" else "local")
+    if path == "kernels":
+        assert any(n.op == "FusedBatchNormGradV3" and not n.attr["is_training"].b for n in result.graph_def.node)
     report = result.report
     assert "replicated variables" in report.layout and not report.skipped
     assert [row.layer for row in report.layers] == BN_LAYERS
@@ -171,7 +179,7 @@ def test_mirrored_strategy_trains_like_one_device(kind: str, replicas: int, entr
         written = sorted(kept[update].input[0] for update in row.updates_kept)
         assert written == sorted(f"{row.layer}/{statistic}" + (f"/replica_{k}" if k else "")
                                  for statistic in ("moving_mean", "moving_variance") for k in range(replicas))
-    _check_oracle(f"{kind} {entry}", built, result.graph_def, built, _build(kind, 1, replicas * BATCH))
+    _check_oracle(f"{kind} {entry} {path}", built, result.graph_def, built, _build(kind, 1, replicas * BATCH))
 
 
 def test_keras_synchronized_batch_norm_trains_like_one_device() -> None:

@@ -16,6 +16,7 @@ in either graph). Also the NCCL all-reduces of GPU-placed replicas (built, never
 
 from __future__ import annotations
 
+import sys
 import warnings
 import zlib
 from collections import defaultdict
@@ -181,21 +182,30 @@ def _assert_updates_kept(report: Report, graph_def: tf1.GraphDef, towers: Towers
 
 
 @pytest.mark.parametrize(
-    "k, fused, every_tower_updates, resource",
+    "k, fused, every_tower_updates, resource, path",
     [
-        pytest.param(2, True, True, True, id="K2-fused-every_tower"),
-        pytest.param(2, False, False, True, id="K2-unfused-tower0"),
-        pytest.param(4, True, False, True, id="K4-fused-tower0"),
-        pytest.param(4, False, True, False, id="K4-unfused-every_tower-ref"),
-        pytest.param(8, True, True, True, id="K8-fused-every_tower"),
-        pytest.param(8, False, False, True, id="K8-unfused-tower0"),
+        pytest.param(2, True, True, True, "collective", id="K2-fused-every_tower"),
+        pytest.param(2, False, False, True, "collective", id="K2-unfused-tower0"),
+        pytest.param(4, True, False, True, "collective", id="K4-fused-tower0"),
+        pytest.param(4, False, True, False, "collective", id="K4-unfused-every_tower-ref"),
+        pytest.param(8, True, True, True, "collective", id="K8-fused-every_tower"),
+        pytest.param(8, False, False, True, "collective", id="K8-unfused-tower0"),
+        pytest.param(4, False, True, False, "local", id="K4-unfused-every_tower-ref-local"),
+        pytest.param(4, True, True, False, "kernels", id="K4-fused-every_tower-ref-kernels"),
+        pytest.param(2, True, False, True, "kernels", id="K2-fused-tower0-kernels"),
     ],
 )
-def test_replicated_block_trains_like_one_device(k: int, fused: bool, every_tower_updates: bool, resource: bool):
+def test_replicated_block_trains_like_one_device(k: int, fused: bool, every_tower_updates: bool, resource: bool,
+                                                 path: str, monkeypatch):
+    """path: the all-reduce backend, or "kernels": local with the fused-kernel backward at any size."""
     towers = _numbered(k)
     model = _block(fused)
     built = _build(model, towers, BATCH, every_tower_updates=every_tower_updates, resource=resource)
-    result = rewrite_graph(built.graph, backend="collective")
+    if path == "kernels":
+        monkeypatch.setattr(sys.modules["bnrewrite.passes.sync_backward"], "KERNEL_MIN_ELEMENTS", 1)
+    result = rewrite_graph(built.graph, backend="collective" if path == "collective" else "local")
+    if path == "kernels":
+        assert any(n.op == "FusedBatchNormGradV3" and not n.attr["is_training"].b for n in result.graph_def.node)
     assert "replicated variables" in result.report.layout
     assert not result.report.skipped
     _assert_lined_up(result.report, towers, BLOCK_BN)
