@@ -21,6 +21,7 @@ helpers.
     load_graph(GraphDef | MetaGraphDef | tf.Graph | bytes | path) -> tf.Graph
     build_hand_synced(spec, all_tower_updates=False) -> Built   (test-only)
     assert_synced(label, synced, unsynced, expected, tolerance) -> float   (test-only)
+    use_kernel_backward(monkeypatch); kernel_gradients(graph_def) -> [names]   (test-only)
 
 Typical oracle test::
 
@@ -39,6 +40,7 @@ moving-average updates kept ~0.7-1.2; synced stats with a per-tower instead
 of global Bessel count ~3e-3 (moving_variance).
 """
 
+import importlib
 import os
 import sys
 
@@ -203,3 +205,13 @@ class _TowerScope:
     def __exit__(self, *exc):
         self._name.__exit__(*exc)
         self._device.__exit__(*exc)
+
+
+def use_kernel_backward(monkeypatch) -> None:
+    """Let sync_backward's fused-kernel path take activations of any size (the test models are small)."""
+    monkeypatch.setattr(importlib.import_module("bnrewrite.passes.sync_backward"), "KERNEL_MIN_ELEMENTS", 1)
+
+
+def kernel_gradients(graph_def) -> list[str]:
+    """The inference-mode FusedBatchNormGradV3 nodes that path adds, one per tower and gradient."""
+    return [n.name for n in graph_def.node if n.op == "FusedBatchNormGradV3" and not n.attr["is_training"].b]

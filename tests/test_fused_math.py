@@ -4,17 +4,12 @@ Each graph has K towers of one `tf.compat.v1.nn.fused_batch_norm(is_training=Tru
 reference is the same op on one device fed the concatenated batch, or float64 numpy.
 """
 
-import sys
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from bnrewrite import rewrite_graph
-from bnrewrite.passes import sync_backward as _sync_backward  # noqa: F401 (the module, below)
-from models import session_config
-
-sync_backward_module = sys.modules["bnrewrite.passes.sync_backward"]
+from models import kernel_gradients, session_config, use_kernel_backward
 
 tf1 = tf.compat.v1
 C = 5
@@ -81,12 +76,8 @@ def _split_feeds(k: int, x: np.ndarray, r: np.ndarray, axis: int = 0) -> dict:
 def backward(request, monkeypatch):
     """The elementwise backward, or (every size allowed) the fused-kernel one."""
     if request.param == "kernels":
-        monkeypatch.setattr(sync_backward_module, "KERNEL_MIN_ELEMENTS", 1)
+        use_kernel_backward(monkeypatch)
     return request.param
-
-
-def _kernel_grads(graph_def) -> int:
-    return sum(n.op == "FusedBatchNormGradV3" and not n.attr["is_training"].b for n in graph_def.node)
 
 
 @pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
@@ -105,7 +96,7 @@ def test_dx_matches_reference_gradients(k, data_format, backward):
     graph = _towers(k, shape, data_format)
     fetches = [f"tower_{i}/{n}:0" for i in range(k) for n in ("dx", "dscale", "doffset")]
     result = rewrite_graph(graph, backend="collective")
-    assert _kernel_grads(result.graph_def) == (k if backward == "kernels" and data_format == "NHWC" else 0)
+    assert len(kernel_gradients(result.graph_def)) == (k if backward == "kernels" and data_format == "NHWC" else 0)
     got = _run(result.graph_def, k, _split_feeds(k, x, r), fetches)
     unsynced = _run(graph, k, _split_feeds(k, x, r), fetches)
 
@@ -194,7 +185,7 @@ def test_dx_is_stable_far_from_zero(backward):
     scale = _run(graph, k, {}, ["scale/Read/ReadVariableOp:0"])[0].astype(np.float64)
     want = _dx_float64(x, r, scale, 1e-3)
     result = rewrite_graph(graph, backend="collective")
-    assert _kernel_grads(result.graph_def) == (k if backward == "kernels" else 0)
+    assert len(kernel_gradients(result.graph_def)) == (k if backward == "kernels" else 0)
     got = np.concatenate(_run(result.graph_def, k, _split_feeds(k, x, r), [f"tower_{i}/dx:0" for i in range(k)]), axis=0)
     one_device = _run(_towers(1, (k * b, *shape[1:])), 1, {"tower_0/x:0": x, "tower_0/r:0": r}, ["tower_0/dx:0"])[0]
 

@@ -3,18 +3,16 @@ passes: float32, channels last, CPU towers, an activation whose recorded static 
 least KERNEL_MIN_ELEMENTS elements per tower. Its numbers are tested in test_fused_math.py
 (both paths) and here through the oracle."""
 
-import sys
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from bnrewrite import rewrite_graph
-from bnrewrite.passes import sync_backward as _sync_backward  # noqa: F401 (the module, below)
-from models import Spec, build_reference, build_towers, make_batches, max_rel_error, train
+from bnrewrite.passes.sync_backward import KERNEL_MIN_ELEMENTS
+from models import (Spec, build_reference, build_towers, kernel_gradients, make_batches, max_rel_error, train,
+                    use_kernel_backward)
 
 tf1 = tf.compat.v1
-sync_backward_module = sys.modules["bnrewrite.passes.sync_backward"]
 
 
 def _towers(k: int, shape: tuple, data_format: str = "NHWC", dtype=tf.float32) -> tf.Graph:
@@ -32,17 +30,13 @@ def _towers(k: int, shape: tuple, data_format: str = "NHWC", dtype=tf.float32) -
     return graph
 
 
-def _kernel_grads(graph_def) -> list[str]:
-    return [n.name for n in graph_def.node if n.op == "FusedBatchNormGradV3" and not n.attr["is_training"].b]
-
-
 LARGE = (2, 32, 64, 32)  # 131,072 elements per tower: KERNEL_MIN_ELEMENTS
 
 
 def test_large_channels_last_float32_takes_the_kernels():
-    assert np.prod(LARGE) == sync_backward_module.KERNEL_MIN_ELEMENTS
+    assert np.prod(LARGE) == KERNEL_MIN_ELEMENTS
     result = rewrite_graph(_towers(2, LARGE))
-    assert sorted(_kernel_grads(result.graph_def)) == [
+    assert sorted(kernel_gradients(result.graph_def)) == [
         f"tower_{i}/gradients/tower_{i}/FusedBatchNormV3_grad/sync_bn_grad/local" for i in range(2)]
 
 
@@ -55,7 +49,7 @@ def test_large_channels_last_float32_takes_the_kernels():
 ])
 def test_otherwise_the_elementwise_passes(why, graph):
     result = rewrite_graph(graph())
-    assert not _kernel_grads(result.graph_def), why
+    assert not kernel_gradients(result.graph_def), why
     assert any(n.name.endswith("sync_bn_grad/dy_minus_proj") for n in result.graph_def.node), why
 
 
@@ -63,10 +57,10 @@ def test_otherwise_the_elementwise_passes(why, graph):
                                   Spec(towers=4, layer="legacy", batch=3)],
                          ids=lambda s: f"K{s.towers}-{s.layer}")
 def test_kernel_path_trains_like_one_device(spec, monkeypatch):
-    monkeypatch.setattr(sync_backward_module, "KERNEL_MIN_ELEMENTS", 1)
+    use_kernel_backward(monkeypatch)
     built = build_towers(spec)
     result = rewrite_graph(built.graph)
-    assert len(_kernel_grads(result.graph_def)) == spec.towers * len(result.report.layers)
+    assert len(kernel_gradients(result.graph_def)) == spec.towers * len(result.report.layers)
     data = make_batches(spec, 3)
     ref = build_reference(spec)
     expected = train(ref.graph, ref, data, num_devices=1)

@@ -13,7 +13,6 @@ unsynchronized batch norm is far off. tf_keras's own `BatchNormalization(synchro
 (not rewritten) checks the harness independently of bnrewrite.
 """
 
-import sys
 import warnings
 from typing import Callable
 
@@ -23,7 +22,8 @@ from tensorflow.python.distribute import cross_device_ops
 
 from bnrewrite import rewrite_graph
 from models import (BN_EPSILON, BN_MOMENTUM, FILTERS, LEARNING_RATE, NUM_CLASSES, OPTIMIZER_MOMENTUM, Built,
-                    Result, Spec, assert_synced, image_shape, initial_values, make_batches, train)
+                    Result, Spec, assert_synced, image_shape, initial_values, kernel_gradients, make_batches, train,
+                    use_kernel_backward)
 
 tf1 = tf.compat.v1
 STEPS, BATCH = 3, 3
@@ -163,10 +163,10 @@ def _check_oracle(label: str, built: Built, synced_graph, unsynced: Built, refer
 def test_mirrored_strategy_trains_like_one_device(kind: str, replicas: int, entry: str, path: str, monkeypatch) -> None:
     built = _build(kind, replicas, BATCH, entry)
     if path == "kernels":
-        monkeypatch.setattr(sys.modules["bnrewrite.passes.sync_backward"], "KERNEL_MIN_ELEMENTS", 1)
+        use_kernel_backward(monkeypatch)
     result = rewrite_graph(built.graph, backend="collective" if path == "collective" else "local")
     if path == "kernels":
-        assert any(n.op == "FusedBatchNormGradV3" and not n.attr["is_training"].b for n in result.graph_def.node)
+        assert kernel_gradients(result.graph_def)
     report = result.report
     assert "replicated variables" in report.layout and not report.skipped
     assert [row.layer for row in report.layers] == BN_LAYERS

@@ -16,7 +16,6 @@ in either graph). Also the NCCL all-reduces of GPU-placed replicas (built, never
 
 from __future__ import annotations
 
-import sys
 import warnings
 import zlib
 from collections import defaultdict
@@ -28,7 +27,7 @@ import tensorflow as tf
 
 from bnrewrite import rewrite_graph
 from bnrewrite.report import Report
-from models import Built, Result, Spec, assert_synced, make_batches, train
+from models import Built, Result, Spec, assert_synced, kernel_gradients, make_batches, train, use_kernel_backward
 
 tf1 = tf.compat.v1
 CLASSES, STEPS, BATCH = 4, 3, 2
@@ -202,10 +201,10 @@ def test_replicated_block_trains_like_one_device(k: int, fused: bool, every_towe
     model = _block(fused)
     built = _build(model, towers, BATCH, every_tower_updates=every_tower_updates, resource=resource)
     if path == "kernels":
-        monkeypatch.setattr(sys.modules["bnrewrite.passes.sync_backward"], "KERNEL_MIN_ELEMENTS", 1)
+        use_kernel_backward(monkeypatch)
     result = rewrite_graph(built.graph, backend="collective" if path == "collective" else "local")
     if path == "kernels":
-        assert any(n.op == "FusedBatchNormGradV3" and not n.attr["is_training"].b for n in result.graph_def.node)
+        assert kernel_gradients(result.graph_def)
     assert "replicated variables" in result.report.layout
     assert not result.report.skipped
     _assert_lined_up(result.report, towers, BLOCK_BN)
