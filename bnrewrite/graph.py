@@ -14,6 +14,7 @@ puts the storage in graph order and drops the stale nodes.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -272,12 +273,7 @@ class Graph:
         if output < 0 or output >= len(shapes) or shapes[output].unknown_rank:
             return None
         sizes = [d.size for d in shapes[output].dim]
-        if any(size < 0 for size in sizes):
-            return None
-        total = 1
-        for size in sizes:
-            total *= size
-        return total
+        return None if any(size < 0 for size in sizes) else math.prod(sizes)
 
     def topological_order(self) -> list[str]:
         """Kahn's order over data and control edges, loop back-edges ignored.

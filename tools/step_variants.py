@@ -126,13 +126,14 @@ def floor_graph_def(graph_def: tf1.GraphDef, backend: str) -> tf1.GraphDef:
                         # A stateful reader: Grappler turns pure ops whose results only control
                         # edges wait for into no-ops, and would drop the sum and its copies.
                         reduces.append(tf.raw_ops.Assert(condition=tf.constant(True), data=[tf.identity(total)]))
-        for device, tower_pieces in pieces.items() if backend != "local" else ():
-            previous: list[tf.Operation] = []
-            with tf.device(device), tf.name_scope("floor"):
-                for instance, piece in enumerate(tower_pieces):
-                    previous = [model_sync_bn.all_reduce(
-                        piece, len(members), FLOOR_GROUP_KEY, instance, backend, after=previous).op]
-                    reduces += previous
+        else:
+            for device, tower_pieces in pieces.items():
+                previous: list[tf.Operation] = []
+                with tf.device(device), tf.name_scope("floor"):
+                    for instance, piece in enumerate(tower_pieces):
+                        previous = [model_sync_bn.all_reduce(
+                            piece, len(members), FLOOR_GROUP_KEY, instance, backend, after=previous).op]
+                        reduces += previous
     floor = graph.as_graph_def()
     train_op = next(node for node in floor.node if node.name == "train_op")
     train_op.input.extend(f"^{op.name}" for op in reduces)
