@@ -21,6 +21,15 @@ D, F = DT_DOUBLE, DT_FLOAT
 
 
 @dataclass(frozen=True)
+class Local:
+    """One tower's moments per channel, flattened: what the all-reduce combines."""
+
+    count: str  # float64 [1]: n
+    mean: str  # float32
+    m2: str  # float64: the sum of squared deviations from `mean`
+
+
+@dataclass(frozen=True)
 class Moments:
     """Tensors (float32 unless noted) of the global moments, flattened per channel."""
 
@@ -29,15 +38,16 @@ class Moments:
     mean: str
     variance: str  # biased: M2 / N
     variance_unbiased: str  # M2 / (N - 1)
-    local_sum: str  # this tower's sum of x; with keep_dims, its shape is that of a keep_dims moment
 
 
-def global_moments(b: Builder, x: str, dtype: int, axes: list[int], key: Collective, broadcast: list[int] | None) -> Moments:
-    """The global moments of x over `axes`.
+def centred_moments(b: Builder, x: str, dtype: int, axes: list[int], broadcast: list[int] | None) -> tuple[Local, str]:
+    """This tower's moments of x over `axes` by elementwise passes: a sum, then the squared
+    deviations from the local mean, summed; also returns the local sum.
 
     `broadcast` is, for a per-channel reduction (fused sites), the shape that lines a [C]
     vector up with x, empty when it lines up as it is (channels last): sums then come out
-    flat. None keeps the reduced dimensions (moments sites) and flattens afterwards.
+    flat. None keeps the reduced dimensions (moments sites; the local sum has the shape of a
+    keep_dims moment) and flattens afterwards.
     """
     axes_const = b.const("axes", axes)
     xf = b.cast("x_float", x, dtype, F)
@@ -50,9 +60,14 @@ def global_moments(b: Builder, x: str, dtype: int, axes: list[int], key: Collect
     if keep_dims:
         flat = b.const("flat", [-1])
         local_mean, m2 = b.reshape("local_mean_flat", local_mean, flat, F), b.reshape("local_m2_flat", m2, flat, F)
-    m64 = b.cast("local_mean64", local_mean, F, D)
+    return Local(n, local_mean, b.cast("local_m2_64", m2, F, D)), local_sum
+
+
+def global_moments(b: Builder, local: Local, key: Collective) -> Moments:
+    """The global moments from every tower's `local` ones, by one all-reduce."""
+    n, m64 = local.count, b.cast("local_mean64", local.mean, F, D)
     s = b.binary("Mul", "sum64", n, m64, D)
-    ss = b.binary("AddV2", "sumsq64", b.cast("local_m2_64", m2, F, D), b.binary("Mul", "mean_sq64", s, m64, D), D)
+    ss = b.binary("AddV2", "sumsq64", local.m2, b.binary("Mul", "mean_sq64", s, m64, D), D)
     reduced = all_reduce(b, "all_reduce", b.concat("moments", [n, s, ss], D), D, key)
 
     total, (gsum, gsumsq) = b.split_count("global", reduced, D)
@@ -66,5 +81,4 @@ def global_moments(b: Builder, x: str, dtype: int, axes: list[int], key: Collect
         mean=b.cast("mean", mean64, D, F),
         variance=b.cast("variance", b.binary("DivNoNan", "variance64", m2g, total, D), D, F),
         variance_unbiased=b.cast("variance_unbiased", b.binary("DivNoNan", "variance_unbiased64", m2g, bessel, D), D, F),
-        local_sum=local_sum,
     )

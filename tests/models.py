@@ -21,7 +21,7 @@ helpers.
     load_graph(GraphDef | MetaGraphDef | tf.Graph | bytes | path) -> tf.Graph
     build_hand_synced(spec, all_tower_updates=False) -> Built   (test-only)
     assert_synced(label, synced, unsynced, expected, tolerance) -> float   (test-only)
-    use_kernel_backward(monkeypatch); kernel_gradients(graph_def) -> [names]   (test-only)
+    use_kernels(monkeypatch); kernel_gradients(graph_def), kernel_moments(graph_def) -> [names]   (test-only)
 
 Typical oracle test::
 
@@ -207,11 +207,18 @@ class _TowerScope:
         self._device.__exit__(*exc)
 
 
-def use_kernel_backward(monkeypatch) -> None:
-    """Let sync_backward's fused-kernel path take activations of any size (the test models are small)."""
-    monkeypatch.setattr(importlib.import_module("bnrewrite.passes.sync_backward"), "KERNEL_MIN_ELEMENTS", 1)
+def use_kernels(monkeypatch) -> None:
+    """Let sync_forward's and sync_backward's fused-kernel paths take activations of any size
+    (the test models are small)."""
+    monkeypatch.setattr(importlib.import_module("bnrewrite.passes.sites"), "KERNEL_MIN_ELEMENTS", 1)
 
 
 def kernel_gradients(graph_def) -> list[str]:
     """The inference-mode FusedBatchNormGradV3 nodes that path adds, one per tower and gradient."""
     return [n.name for n in graph_def.node if n.op == "FusedBatchNormGradV3" and not n.attr["is_training"].b]
+
+
+def kernel_moments(graph_def) -> list[str]:
+    """The training-mode FusedBatchNormV3 nodes sync_forward's kernel path adds for the local
+    moments, one per tower and layer."""
+    return [n.name for n in graph_def.node if n.op == "FusedBatchNormV3" and n.name.endswith("/local_moments")]

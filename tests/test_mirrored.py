@@ -22,8 +22,8 @@ from tensorflow.python.distribute import cross_device_ops
 
 from bnrewrite import rewrite_graph
 from models import (BN_EPSILON, BN_MOMENTUM, FILTERS, LEARNING_RATE, NUM_CLASSES, OPTIMIZER_MOMENTUM, Built,
-                    Result, Spec, assert_synced, image_shape, initial_values, kernel_gradients, make_batches, train,
-                    use_kernel_backward)
+                    Result, Spec, assert_synced, image_shape, initial_values, kernel_gradients, kernel_moments, make_batches, train,
+                    use_kernels)
 
 tf1 = tf.compat.v1
 STEPS, BATCH = 3, 3
@@ -163,10 +163,10 @@ def _check_oracle(label: str, built: Built, synced_graph, unsynced: Built, refer
 def test_mirrored_strategy_trains_like_one_device(kind: str, replicas: int, entry: str, path: str, monkeypatch) -> None:
     built = _build(kind, replicas, BATCH, entry)
     if path == "kernels":
-        use_kernel_backward(monkeypatch)
+        use_kernels(monkeypatch)
     result = rewrite_graph(built.graph, backend="collective" if path == "collective" else "local")
     if path == "kernels":
-        assert kernel_gradients(result.graph_def)
+        assert kernel_gradients(result.graph_def) and kernel_moments(result.graph_def)
     report = result.report
     assert "replicated variables" in report.layout and not report.skipped
     assert [row.layer for row in report.layers] == BN_LAYERS

@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from bnrewrite import rewrite_graph
 from bnrewrite.report import Report
-from models import Built, Result, Spec, assert_synced, kernel_gradients, make_batches, train, use_kernel_backward
+from models import Built, Result, Spec, assert_synced, kernel_gradients, kernel_moments, make_batches, train, use_kernels
 
 tf1 = tf.compat.v1
 CLASSES, STEPS, BATCH = 4, 3, 2
@@ -201,10 +201,10 @@ def test_replicated_block_trains_like_one_device(k: int, fused: bool, every_towe
     model = _block(fused)
     built = _build(model, towers, BATCH, every_tower_updates=every_tower_updates, resource=resource)
     if path == "kernels":
-        use_kernel_backward(monkeypatch)
+        use_kernels(monkeypatch)
     result = rewrite_graph(built.graph, backend="collective" if path == "collective" else "local")
     if path == "kernels":
-        assert kernel_gradients(result.graph_def)
+        assert kernel_gradients(result.graph_def) and kernel_moments(result.graph_def)
     assert "replicated variables" in result.report.layout
     assert not result.report.skipped
     _assert_lined_up(result.report, towers, BLOCK_BN)

@@ -8,7 +8,7 @@ from typing import Callable
 
 from bnrewrite.graph import Editor, Graph
 from bnrewrite.match.sites import Site
-from bnrewrite.nodes import Builder, Shared
+from bnrewrite.nodes import DT_FLOAT, Builder, Shared
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.plan import Plan
 
@@ -49,3 +49,20 @@ def each_site(graph: Graph, plan: Plan, name: str, kind: str, rewrite: Callable[
 def layer_scope(editor: Editor, node_name: str, suffix: str) -> str:
     """A fresh scope beside `node_name` (inside the layer's own name scope)."""
     return editor.unique_name(posixpath.join(posixpath.dirname(node_name), suffix))
+
+
+#: Activations of at least this many elements per tower take fused batch-norm kernels instead
+#: of elementwise passes, forward and backward (tools/bench_kernels.py; see sync_forward and
+#: sync_backward for the figures).
+KERNEL_MIN_ELEMENTS = 1 << 17
+
+
+def kernel_sized(graph: Graph, site: Site, activation: str) -> bool:
+    """Whether a fused site's rewrite should use fused batch-norm kernels on `activation`
+    rather than elementwise passes: float32, channels last, on a CPU tower, and at least
+    KERNEL_MIN_ELEMENTS elements per tower by the graph's recorded static shape. GPU towers
+    keep the passes: unmeasured there."""
+    if site.dtype != DT_FLOAT or site.data_format != "NHWC" or site.device.type != "CPU":
+        return False
+    elements = graph.static_elements(activation)
+    return elements is not None and elements >= KERNEL_MIN_ELEMENTS

@@ -19,7 +19,7 @@ global moments gives scale*rstd*dy and both local sums in one pass over dy and x
 all-reduce an inference-mode FusedBatchNormV3 of x gives the rest, -scale*rstd*(x_hat *
 sum(dy*x_hat) + sum(dy))/N, which one AddV2 adds. On 4 virtual CPUs the kernels take 1.4-2.3x
 as long as the passes at 64 K elements (the passes then run in cache) and 30-55 % less from
-128 K up (tools/bench_backward.py). The inference-mode gradient kernel takes channels-last
+128 K up (tools/bench_kernels.py). The inference-mode gradient kernel takes channels-last
 data only, and its half-precision output would round the two terms of dx apart.
 """
 
@@ -33,7 +33,7 @@ from bnrewrite.graph import Graph, parse_input
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_FLOAT, Builder, DType, identity_n
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sites import SiteContext, each_site
+from bnrewrite.passes.sites import SiteContext, each_site, kernel_sized
 from bnrewrite.plan import Plan
 
 F = DT_FLOAT
@@ -49,16 +49,10 @@ def _rewrite_grads(site: Site, ctx: SiteContext) -> None:
         ctx.record.replaced.append(grad)
 
 
-#: Activations of at least this many elements per tower take the kernel path (see above).
-KERNEL_MIN_ELEMENTS = 1 << 17
-
-
 def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     node = ctx.graph.node(grad)
     counted = _forward_count(ctx.graph, grad, site)
-    elements = ctx.graph.static_elements(node.input[1])
-    if (counted is not None and site.dtype == F and site.data_format == "NHWC" and site.device.type == "CPU"
-            and elements is not None and elements >= KERNEL_MIN_ELEMENTS):
+    if counted is not None and kernel_sized(ctx.graph, site, node.input[1]):
         _rewrite_grad_with_kernels(grad, site, ctx, phase, counted)
         return
     dy, x, scale, saved_mean, saved_rstd = node.input[:5]

@@ -15,7 +15,7 @@ from bnrewrite.nodes import DT_FLOAT, DT_INT32, DType, identity_n
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.passes.sites import SiteContext, each_site
 from bnrewrite.plan import Plan
-from bnrewrite.statistics import global_moments
+from bnrewrite.statistics import centred_moments, global_moments
 
 F = DT_FLOAT
 
@@ -28,8 +28,9 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     graph, editor = ctx.graph, ctx.editor
     node = graph.node(site.name)
     b = ctx.builder(site.name, "sync_moments", node.device)
-    moments = global_moments(b, node.input[0], site.dtype, site.reduce_axes, ctx.plan.collective(ctx.layer, 0, ctx.tower), None)
-    shape = b.node("Shape", "keep_dims_shape", [moments.local_sum], T=DType(F), out_type=DType(DT_INT32))
+    local, local_sum = centred_moments(b, node.input[0], site.dtype, site.reduce_axes, None)
+    moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower))
+    shape = b.node("Shape", "keep_dims_shape", [local_sum], T=DType(F), out_type=DType(DT_INT32))
     for name, value in ((site.name, moments.mean), (site.variance, moments.variance)):
         if site.keep_dims:
             value = b.reshape(f"{value.rsplit('/', 1)[1]}_kept", value, shape, F)

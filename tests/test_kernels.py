@@ -1,16 +1,16 @@
-"""When the backward of a synced fused layer takes the fused kernels instead of elementwise
-passes: float32, channels last, CPU towers, an activation whose recorded static shape has at
-least KERNEL_MIN_ELEMENTS elements per tower. Its numbers are tested in test_fused_math.py
-(both paths) and here through the oracle."""
+"""When a synced fused layer takes fused batch-norm kernels instead of elementwise passes:
+float32, channels last, CPU towers, an activation whose recorded static shape has at least
+KERNEL_MIN_ELEMENTS elements per tower (bnrewrite.passes.sites), for the local moments (sync_forward) and
+dx (sync_backward). Their numbers are tested in test_fused_math.py (both paths) and here through the oracle."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from bnrewrite import rewrite_graph
-from bnrewrite.passes.sync_backward import KERNEL_MIN_ELEMENTS
-from models import (Spec, build_reference, build_towers, kernel_gradients, make_batches, max_rel_error, train,
-                    use_kernel_backward)
+from bnrewrite.passes.sites import KERNEL_MIN_ELEMENTS
+from models import (Spec, build_reference, build_towers, kernel_gradients, kernel_moments, make_batches, max_rel_error,
+                    train, use_kernels)
 
 tf1 = tf.compat.v1
 
@@ -36,6 +36,7 @@ LARGE = (2, 32, 64, 32)  # 131,072 elements per tower: KERNEL_MIN_ELEMENTS
 def test_large_channels_last_float32_takes_the_kernels():
     assert np.prod(LARGE) == KERNEL_MIN_ELEMENTS
     result = rewrite_graph(_towers(2, LARGE))
+    assert sorted(kernel_moments(result.graph_def)) == [f"tower_{i}/sync_bn/local_moments" for i in range(2)]
     assert sorted(kernel_gradients(result.graph_def)) == [
         f"tower_{i}/gradients/tower_{i}/FusedBatchNormV3_grad/sync_bn_grad/local" for i in range(2)]
 
@@ -49,22 +50,23 @@ def test_large_channels_last_float32_takes_the_kernels():
 ])
 def test_otherwise_the_elementwise_passes(why, graph):
     result = rewrite_graph(graph())
-    assert not kernel_gradients(result.graph_def), why
-    assert any(n.name.endswith("sync_bn_grad/dy_minus_proj") for n in result.graph_def.node), why
+    assert not kernel_moments(result.graph_def) and not kernel_gradients(result.graph_def), why
+    names = {n.name.rsplit("/", 1)[-1] for n in result.graph_def.node}
+    assert {"squared", "dy_minus_proj"} <= names, why
 
 
 @pytest.mark.parametrize("spec", [Spec(towers=2, layer="legacy"), Spec(towers=4, layer="fused_op"),
                                   Spec(towers=4, layer="legacy", batch=3)],
                          ids=lambda s: f"K{s.towers}-{s.layer}")
 def test_kernel_path_trains_like_one_device(spec, monkeypatch):
-    use_kernel_backward(monkeypatch)
+    use_kernels(monkeypatch)
     built = build_towers(spec)
     result = rewrite_graph(built.graph)
-    assert len(kernel_gradients(result.graph_def)) == spec.towers * len(result.report.layers)
+    assert len(kernel_gradients(result.graph_def)) == len(kernel_moments(result.graph_def)) == spec.towers * len(result.report.layers)
     data = make_batches(spec, 3)
     ref = build_reference(spec)
     expected = train(ref.graph, ref, data, num_devices=1)
     synced = max_rel_error(train(result.graph_def, built, data, num_devices=spec.towers), expected)
     unsynced = max_rel_error(train(built.graph, built, data, num_devices=spec.towers), expected)
-    print(f"kernel path K={spec.towers} {spec.layer}: synced {synced:.2e}, unsynced {unsynced:.2e}")
+    print(f"kernels K={spec.towers} {spec.layer}: synced {synced:.2e}, unsynced {unsynced:.2e}")
     assert unsynced > 1e-2 and synced <= 2e-4
