@@ -2,7 +2,7 @@
 with the alternatives (the comparison tools/bench_step.py makes on virtual CPU devices).
 
     python tools/gpu_step.py [--towers N] [--sizes default,large,gpu] [--dtypes float32,float16]
-                             [--variants unsynced,bnrewrite,model_sync,keras_sync,floor,
+                             [--variants unsynced,bnrewrite,model_sync,keras_sync,floor,floor_gated,
                                          bnrewrite_collective,floor_collective]
                              [--steps 30] [--warmup 5] [--block 2] [--traces 3] [--quick]
 

@@ -12,7 +12,10 @@ the same batches:
   no op of its own can take every tower's input; it must meet the others by keys;
 - `keras_sync`: tf_keras's `BatchNormalization(synchronized=True)` under MirroredStrategy;
 - `floor`: the unsynced graph plus all-reduces of the sizes, dtypes, places and kind of
-  bnrewrite's, whose results nothing uses: what synchronizing costs at the least;
+  bnrewrite's, whose results nothing uses: what the all-reduces themselves cost;
+- `floor_gated`: the same, but each batch-norm op and gradient waits for its tower's result of
+  its own all-reduce, as a synced layer must: the towers meet at every layer, forward and
+  backward, with no arithmetic added: what synchronizing costs at the least;
 - `bnrewrite_collective`, `floor_collective`: the same with CollectiveReduceV2, the all-reduce
   model code uses on CPUs: the like-for-like comparison of the arithmetic.
 """
@@ -30,7 +33,8 @@ import model_sync_bn
 
 tf1 = tf.compat.v1
 
-VARIANTS = ("unsynced", "bnrewrite", "model_sync", "keras_sync", "floor", "bnrewrite_collective", "floor_collective")
+VARIANTS = ("unsynced", "bnrewrite", "model_sync", "keras_sync", "floor", "floor_gated", "bnrewrite_collective",
+            "floor_collective")
 #: Group key of the floor's all-reduces (bnrewrite uses 0x5B00, model code 0x7E00).
 FLOOR_GROUP_KEY = 0x7F00
 
@@ -80,6 +84,7 @@ def build_variants(names: list[str], towers: int, size: Size, dtype: str, device
         "bnrewrite": lambda: chosen.graph_def,
         "model_sync": lambda: deep_net.build_graph_def(towers, size.layers, bn="model_sync", **sizes),
         "floor": lambda: floor_graph_def(plain, chosen.report.backend),
+        "floor_gated": lambda: floor_graph_def(plain, chosen.report.backend, gated=True),
         "bnrewrite_collective": lambda: rewrite_graph(plain, backend="collective").graph_def,
         "floor_collective": lambda: floor_graph_def(plain, "collective"),
     }
@@ -92,31 +97,32 @@ def build_variants(names: list[str], towers: int, size: Size, dtype: str, device
     return variants
 
 
-def floor_graph_def(graph_def: tf1.GraphDef, backend: str) -> tf1.GraphDef:
+def floor_graph_def(graph_def: tf1.GraphDef, backend: str, gated: bool = False) -> tf1.GraphDef:
     """`graph_def` (deep_net, FusedBatchNormV3) plus, per batch-norm layer and tower, the
     all-reduces bnrewrite adds — one float64 [2C+1] fed by a slice of the layer's input, one
-    float32 [2C] fed by a slice of its incoming gradient — run through control edges into
-    `train_op`. Their results are unused: the step pays for the transfers and the waiting, not
-    for any statistics. NCCL and collective all-reduces are chained per tower in one order
-    (forward layers, then gradients as autodiff built them) as bnrewrite orders its own; local
-    ones are an AddN on the first tower's device and an Identity on each tower's, read by an
-    Assert (stateful, so that Grappler keeps them)."""
+    float32 [2C] fed by a slice of its incoming gradient — that `train_op` waits for, or,
+    `gated`, the batch-norm op or gradient each belongs to. Their results
+    are unused: the step pays for the transfers and the waiting, not for any statistics. NCCL
+    and collective all-reduces are chained per tower in one order (forward layers, then
+    gradients as autodiff built them) as bnrewrite orders its own; local ones are an AddN on
+    the first tower's device and an Identity on each tower's, read by an Assert (stateful, so
+    that Grappler keeps them)."""
     graph = tf.Graph()
     with graph.as_default():
         tf.graph_util.import_graph_def(graph_def, name="")
-        members: dict[str, list[tuple[tf.Tensor, int, tf.DType]]] = {}
+        members: dict[str, list[tuple[tf.Operation, int, tf.DType]]] = {}
         for op in graph.get_operations():
             if op.type in ("FusedBatchNormV3", "FusedBatchNormGradV3"):
                 channels = op.inputs[0].shape[-1]
                 forward = op.type == "FusedBatchNormV3"
-                member = (op.inputs[0], 2 * channels + 1 if forward else 2 * channels, tf.float64 if forward else tf.float32)
+                member = (op, 2 * channels + 1 if forward else 2 * channels, tf.float64 if forward else tf.float32)
                 members.setdefault(op.device, []).append(member)
         pieces: dict[str, list[tf.Tensor]] = {}
         for device, tower_members in members.items():
             with tf.device(device), tf.name_scope("floor"):
-                pieces[device] = [tf.cast(tf.slice(tf.reshape(source, [-1]), [0], [count]), dtype)
-                                  for source, count, dtype in tower_members]
-        reduces = []
+                pieces[device] = [tf.cast(tf.slice(tf.reshape(op.inputs[0], [-1]), [0], [count]), dtype)
+                                  for op, count, dtype in tower_members]
+        reduces: dict[str, list[tf.Operation]] = {device: [] for device in pieces}
         if backend == "local":
             for instance in zip(*pieces.values()):
                 with tf.device(next(iter(pieces))), tf.name_scope("floor"):
@@ -125,7 +131,7 @@ def floor_graph_def(graph_def: tf1.GraphDef, backend: str) -> tf1.GraphDef:
                     with tf.device(device), tf.name_scope("floor"):
                         # A stateful reader: Grappler turns pure ops whose results only control
                         # edges wait for into no-ops, and would drop the sum and its copies.
-                        reduces.append(tf.raw_ops.Assert(condition=tf.constant(True), data=[tf.identity(total)]))
+                        reduces[device].append(tf.raw_ops.Assert(condition=tf.constant(True), data=[tf.identity(total)]))
         else:
             for device, tower_pieces in pieces.items():
                 previous: list[tf.Operation] = []
@@ -133,10 +139,14 @@ def floor_graph_def(graph_def: tf1.GraphDef, backend: str) -> tf1.GraphDef:
                     for instance, piece in enumerate(tower_pieces):
                         previous = [model_sync_bn.all_reduce(
                             piece, len(members), FLOOR_GROUP_KEY, instance, backend, after=previous).op]
-                        reduces += previous
+                        reduces[device] += previous
+    waiting: dict[str, list[str]] = {}  # node -> the all-reduces it waits for
+    for device, tower_members in members.items():
+        for (op, _, _), reduce in zip(tower_members, reduces[device]):
+            waiting.setdefault(op.name if gated else "train_op", []).append(f"^{reduce.name}")
     floor = graph.as_graph_def()
-    train_op = next(node for node in floor.node if node.name == "train_op")
-    train_op.input.extend(f"^{op.name}" for op in reduces)
+    for node in floor.node:
+        node.input.extend(waiting.get(node.name, []))
     return floor
 
 
