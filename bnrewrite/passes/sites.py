@@ -8,7 +8,7 @@ from typing import Callable
 
 from bnrewrite.graph import Editor, Graph
 from bnrewrite.match.sites import Site
-from bnrewrite.nodes import DT_FLOAT, Builder, Shared
+from bnrewrite.nodes import DT_FLOAT, DT_HALF, Builder, Shared
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.plan import Plan
 
@@ -55,14 +55,17 @@ def layer_scope(editor: Editor, node_name: str, suffix: str) -> str:
 #: of elementwise passes, forward and backward (tools/bench_kernels.py; see sync_forward and
 #: sync_backward for the figures).
 KERNEL_MIN_ELEMENTS = 1 << 17
+#: ... if of these types. Not bfloat16: the backward's kernels round its two terms of dx to
+#: 8 bits apart (3.7e-2 against the 2e-2 its oracle allows); float16 keeps 11 bits.
+KERNEL_DTYPES = frozenset({DT_FLOAT, DT_HALF})
 
 
 def kernel_sized(graph: Graph, site: Site, activation: str) -> bool:
     """Whether a fused site's rewrite should use fused batch-norm kernels on `activation`
-    rather than elementwise passes: float32, channels last, on a CPU tower, and at least
-    KERNEL_MIN_ELEMENTS elements per tower by the graph's recorded static shape. GPU towers
-    keep the passes: unmeasured there."""
-    if site.dtype != DT_FLOAT or site.data_format != "NHWC" or site.device.type != "CPU":
+    rather than elementwise passes: float32 or float16, channels last, on a CPU tower, and at
+    least KERNEL_MIN_ELEMENTS elements per tower by the graph's recorded static shape. GPU
+    towers keep the passes: unmeasured there."""
+    if site.dtype not in KERNEL_DTYPES or site.data_format != "NHWC" or site.device.type != "CPU":
         return False
     elements = graph.static_elements(activation)
     return elements is not None and elements >= KERNEL_MIN_ELEMENTS

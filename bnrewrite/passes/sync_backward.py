@@ -12,15 +12,19 @@ a reference variable's scale cannot overwrite it before dx has read it.
 A FusedBatchNormGrad alone cannot do this: it treats the batch statistics as its own.
 The gradient op is replaced by an IdentityN of the same name, so its consumers are unchanged.
 
-Where the activation is known to be large (float32, channels last, on a CPU tower, at least
-KERNEL_MIN_ELEMENTS elements per tower by its recorded static shape), the same dx comes from two
-fused kernels instead of six elementwise passes: an inference-mode FusedBatchNormGradV3 fed the
+Where the activation is known to be large (float32 or float16, channels last, on a CPU tower,
+at least KERNEL_MIN_ELEMENTS elements per tower by its recorded static shape: see
+bnrewrite.passes.sites), the same dx comes from two fused kernels instead of six elementwise passes: an inference-mode FusedBatchNormGradV3 fed the
 global moments gives scale*rstd*dy and both local sums in one pass over dy and x, and after the
 all-reduce an inference-mode FusedBatchNormV3 of x gives the rest, -scale*rstd*(x_hat *
 sum(dy*x_hat) + sum(dy))/N, which one AddV2 adds. On 4 virtual CPUs the kernels take 1.4-2.3x
 as long as the passes at 64 K elements (the passes then run in cache) and 30-55 % less from
 128 K up (tools/bench_kernels.py). The inference-mode gradient kernel takes channels-last
-data only, and its half-precision output would round the two terms of dx apart.
+data only. In float16 the kernels keep the step's peak memory at the un-synced graph's (the
+passes hold float32 copies of dy and x - mean across the all-reduce: 1.27x at the large
+benchmark size), at a price in rounding: both terms of dx are rounded to float16 before they
+are added (the float16 oracle's error 1.3e-4 -> 6e-4, within its 2e-3; bfloat16's 8 bits would
+miss its 2e-2).
 """
 
 from __future__ import annotations
@@ -98,14 +102,14 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
 
 
 def _rewrite_grad_with_kernels(grad: str, site: Site, ctx: SiteContext, phase: int, counted: str) -> None:
-    """The kernel path (module docstring): float32, NHWC, FusedBatchNormGradV3."""
+    """The kernel path (module docstring): channels last, FusedBatchNormGradV3."""
     node = ctx.graph.node(grad)
     dy, x, scale, mean, rstd = node.input[:5]
     controls = [i for i in node.input if i.startswith("^")]
     b = ctx.builder(grad, "sync_bn_grad", ctx.graph.node(site.name).device)
     eps = b.const("epsilon", site.epsilon, np.float32)
     variance = b.binary("Sub", "variance", b.unary("Reciprocal", "variance_eps", b.unary("Square", "rstd_sq", rstd, F), F), eps, F)
-    inference = {"epsilon": site.epsilon, "data_format": "NHWC", "is_training": False, "T": DType(F), "U": DType(F)}
+    inference = {"epsilon": site.epsilon, "data_format": "NHWC", "is_training": False, "T": DType(site.dtype), "U": DType(F)}
     empty = b.const("empty_float", np.zeros([0], np.float32), np.float32)
     local = b.node("FusedBatchNormGradV3", "local", [dy, x, scale, mean, variance, empty], **inference)
     sum_dy_xhat, sum_dy = f"{local}:1", f"{local}:2"
@@ -119,7 +123,7 @@ def _rewrite_grad_with_kernels(grad: str, site: Site, ctx: SiteContext, phase: i
         x, b.binary("Mul", "correction_scale", minus_gain_n, gsum_dy_xhat, F),
         b.binary("Mul", "correction_offset", minus_gain_n, gsum_dy, F), mean, variance,
     ], exponential_avg_factor=1.0, **inference)
-    dx = b.binary("AddV2", "dx", local, correction, F)
+    dx = b.binary("AddV2", "dx", local, correction, site.dtype)
     _replace(grad, b, dx, sum_dy_xhat, sum_dy, controls, site, ctx)
 
 

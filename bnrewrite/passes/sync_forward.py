@@ -3,10 +3,10 @@
 The global moments come from `bnrewrite.statistics.global_moments` (one float64 all-reduce,
 Chan's combine) of each tower's local moments. Those come from elementwise passes (a sum, then
 the squared deviations from the local mean, summed) or, where the activation is known to be
-large (float32, channels last, on a CPU tower, at least KERNEL_MIN_ELEMENTS elements per tower
-by its recorded static shape), from a training-mode FusedBatchNormV3 of x: its batch mean and
-Bessel-corrected variance, computed around the local mean as the passes do, whose y goes
-unused. One kernel reads x about as often as the passes and writes one tensor where
+large (float32 or float16, channels last, on a CPU tower, at least KERNEL_MIN_ELEMENTS elements
+per tower by its recorded static shape: see bnrewrite.passes.sites), from a training-mode
+FusedBatchNormV3 of x: its batch mean and Bessel-corrected variance, computed around the local
+mean as the passes do, whose y goes unused. One kernel reads x about as often as the passes and writes one tensor where
 SquaredDifference writes one and two Sums run; on 4 virtual CPUs it takes 0.61-0.67 of the
 passes' time at 512 K-1 M elements, 0.91-0.93 at 128 K, 0.83-0.91 at 64 K and 1.1-1.7 times
 as long at 16-32 K (tools/bench_kernels.py). In training steps it paid at 1 M (the step 1.039
@@ -75,12 +75,12 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
 
 
 def _kernel_moments(b: Builder, x: str, scale: str, offset: str, site: Site) -> Local:
-    """The local moments from a training-mode FusedBatchNormV3 (float32, channels last):
-    M2 = n - 1 times its Bessel-corrected batch variance."""
+    """The local moments from a training-mode FusedBatchNormV3 (channels last): M2 = n - 1
+    times its Bessel-corrected batch variance."""
     empty = b.const("empty_float", np.zeros([0], np.float32), np.float32)
     local = b.node("FusedBatchNormV3", "local_moments", [x, scale, offset, empty, empty], epsilon=site.epsilon,
-                   data_format="NHWC", is_training=True, exponential_avg_factor=1.0, T=DType(F), U=DType(F))
-    n = b.count("count", x, b.const("axes", site.reduce_axes), F, DT_DOUBLE)
+                   data_format="NHWC", is_training=True, exponential_avg_factor=1.0, T=DType(site.dtype), U=DType(F))
+    n = b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, DT_DOUBLE)
     n_minus_one = b.binary("Sub", "count_minus_one", n, b.const("one64", 1.0, np.float64), DT_DOUBLE)
     m2 = b.binary("Mul", "local_m2_64", b.cast("local_variance64", f"{local}:2", F, DT_DOUBLE), n_minus_one, DT_DOUBLE)
     return Local(n, f"{local}:1", m2)
