@@ -214,8 +214,9 @@ def use_kernels(monkeypatch) -> None:
 
 
 def kernel_gradients(graph_def) -> list[str]:
-    """The inference-mode FusedBatchNormGradV3 nodes that path adds, one per tower and gradient."""
-    return [n.name for n in graph_def.node if n.op == "FusedBatchNormGradV3" and not n.attr["is_training"].b]
+    """The FusedBatchNormGradV3 nodes sync_backward's kernel path adds for the local sums, one
+    per tower and gradient."""
+    return [n.name for n in graph_def.node if n.op == "FusedBatchNormGradV3" and n.name.endswith("/sync_bn_grad/local")]
 
 
 def kernel_moments(graph_def) -> list[str]:

@@ -22,9 +22,11 @@ as long as the passes at 64 K elements (the passes then run in cache) and 30-55 
 128 K up (tools/bench_kernels.py). The inference-mode gradient kernel takes channels-last
 data only. In float16 the kernels keep the step's peak memory at the un-synced graph's (the
 passes hold float32 copies of dy and x - mean across the all-reduce: 1.27x at the large
-benchmark size), at a price in rounding: both terms of dx are rounded to float16 before they
-are added (the float16 oracle's error 1.3e-4 -> 6e-4, within its 2e-3; bfloat16's 8 bits would
-miss its 2e-2).
+benchmark size), at a price in rounding: the two terms of dx are rounded to float16 before
+they are added. The local kernel then runs in training mode (see _rewrite_grad_with_kernels),
+which keeps the correction small: the float16 oracle's error 1.3e-4 / 2.2e-4 -> 3.6e-4 / 3.4e-4
+(K=2 / K=4; inference mode: 5.7e-4 / 6.1e-4), within its 2e-3. bfloat16's 8 bits (3.7e-2 in
+inference mode) keep the passes.
 """
 
 from __future__ import annotations
@@ -102,27 +104,44 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
 
 
 def _rewrite_grad_with_kernels(grad: str, site: Site, ctx: SiteContext, phase: int, counted: str) -> None:
-    """The kernel path (module docstring): channels last, FusedBatchNormGradV3."""
+    """The kernel path (module docstring): channels last, FusedBatchNormGradV3.
+
+    In float16 the local kernel runs in training mode: fed the global moments, it takes off
+    this tower's own means of dy and dy*x_hat, so that its output is close to dx and the
+    correction small; rounded to float16 apart, they then lose little. In float32 the
+    inference mode, one pass cheaper, takes off nothing."""
     node = ctx.graph.node(grad)
     dy, x, scale, mean, rstd = node.input[:5]
     controls = [i for i in node.input if i.startswith("^")]
     b = ctx.builder(grad, "sync_bn_grad", ctx.graph.node(site.name).device)
     eps = b.const("epsilon", site.epsilon, np.float32)
     variance = b.binary("Sub", "variance", b.unary("Reciprocal", "variance_eps", b.unary("Square", "rstd_sq", rstd, F), F), eps, F)
-    inference = {"epsilon": site.epsilon, "data_format": "NHWC", "is_training": False, "T": DType(site.dtype), "U": DType(F)}
+    attrs = {"epsilon": site.epsilon, "data_format": "NHWC", "T": DType(site.dtype), "U": DType(F)}
+    local_means = site.dtype != F
     empty = b.const("empty_float", np.zeros([0], np.float32), np.float32)
-    local = b.node("FusedBatchNormGradV3", "local", [dy, x, scale, mean, variance, empty], **inference)
+    local = b.node("FusedBatchNormGradV3", "local", [dy, x, scale, mean, variance, empty], is_training=local_means, **attrs)
     sum_dy_xhat, sum_dy = f"{local}:1", f"{local}:2"
     reduce_name = all_reduce(b, "all_reduce", b.concat("sums", [sum_dy, sum_dy_xhat], F),
                              F, ctx.plan.collective(ctx.layer, phase, ctx.tower))
     ctx.record.collectives.append(reduce_name)
     gsum_dy, gsum_dy_xhat = b.split_pairs("global", reduce_name, F)
-    minus_gain_n = b.binary("DivNoNan", "minus_gain_n", b.binary("Mul", "minus_gain", b.binary("Mul", "gain", scale, rstd, F),
-                                                                  b.const("minus_one", -1.0, np.float32), F), counted, F)
+    gain = b.binary("Mul", "gain", scale, rstd, F)
+    n_local = b.count("local_count", x, b.const("axes", site.reduce_axes), site.dtype, F) if local_means else None
+
+    def correction_factor(name: str, local_sum: str, global_sum: str) -> str:
+        """gain * (the mean the local kernel took off - the global mean dx takes off)."""
+        global_mean = b.binary("DivNoNan", f"{name}/global_mean", global_sum, counted, F)
+        if n_local is None:
+            excess = b.unary("Neg", f"{name}/excess", global_mean, F)
+        else:
+            excess = b.binary("Sub", f"{name}/excess", b.binary("DivNoNan", f"{name}/local_mean", local_sum, n_local, F),
+                              global_mean, F)
+        return b.binary("Mul", name, gain, excess, F)
+
     correction = b.node("FusedBatchNormV3", "correction", [
-        x, b.binary("Mul", "correction_scale", minus_gain_n, gsum_dy_xhat, F),
-        b.binary("Mul", "correction_offset", minus_gain_n, gsum_dy, F), mean, variance,
-    ], exponential_avg_factor=1.0, **inference)
+        x, correction_factor("correction_scale", sum_dy_xhat, gsum_dy_xhat),
+        correction_factor("correction_offset", sum_dy, gsum_dy), mean, variance,
+    ], exponential_avg_factor=1.0, is_training=False, **attrs)
     dx = b.binary("AddV2", "dx", local, correction, site.dtype)
     _replace(grad, b, dx, sum_dy_xhat, sum_dy, controls, site, ctx)
 
