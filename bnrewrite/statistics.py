@@ -5,7 +5,10 @@ local mean and sum of squared deviations computed around m. One all-reduce in fl
 sums them; mean = S/N and M2 = SS - S*mean. This is Chan's parallel combine
 (M2 = sum M2_i + sum n_i (m_i - mean)^2) with the between-group term expanded: because each
 M2_i is centred locally and the expansion runs in float64, the cancellation costs
-(|mean|/std)^2 * 1e-16, far below float32 rounding even for |mean|/std = 1e4.
+(|mean|/std)^2 * 1e-16, far below float32 rounding even for |mean|/std = 1e4. What remains is
+the local mean's own float32 error d_i: M2_i is centred on the m_i it has, the combine takes
+m_i as the exact mean, which costs 2 n_i d_i (m_i - mean); at |mean|/std = 1000 with 128
+examples per tower the variance is then 1.1e-5 off (TensorFlow's one-device op: 7.8e-7).
 """
 
 from __future__ import annotations

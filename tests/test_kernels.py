@@ -1,7 +1,8 @@
 """When a synced fused layer takes fused batch-norm kernels instead of elementwise passes:
-float32, channels last, CPU towers, an activation whose recorded static shape has at least
-KERNEL_MIN_ELEMENTS elements per tower (bnrewrite.passes.sites), for the local moments (sync_forward) and
-dx (sync_backward). Their numbers are tested in test_fused_math.py (both paths) and here through the oracle."""
+float32 or float16, channels last, CPU towers, an activation whose recorded static shape has
+at least KERNEL_MIN_ELEMENTS elements per tower (bnrewrite.passes.sites), for the local
+moments (sync_forward) and dx (sync_backward). Their float32 numbers are tested in
+test_fused_math.py (both paths), and here through the oracle in float32 and float16."""
 
 import numpy as np
 import pytest

@@ -14,9 +14,10 @@ The gradient op is replaced by an IdentityN of the same name, so its consumers a
 
 Where the activation is known to be large (float32 or float16, channels last, on a CPU tower,
 at least KERNEL_MIN_ELEMENTS elements per tower by its recorded static shape: see
-bnrewrite.passes.sites), the same dx comes from two fused kernels instead of six elementwise passes: an inference-mode FusedBatchNormGradV3 fed the
-global moments gives scale*rstd*dy and both local sums in one pass over dy and x, and after the
-all-reduce an inference-mode FusedBatchNormV3 of x gives the rest, -scale*rstd*(x_hat *
+bnrewrite.passes.sites), the same dx comes from two fused kernels instead of six elementwise
+passes: an inference-mode FusedBatchNormGradV3 fed the global moments gives scale*rstd*dy and
+both local sums in one pass over dy and x, and after the all-reduce an inference-mode
+FusedBatchNormV3 of x gives the rest, -scale*rstd*(x_hat *
 sum(dy*x_hat) + sum(dy))/N, which one AddV2 adds. On 4 virtual CPUs the kernels take 1.4-2.3x
 as long as the passes at 64 K elements (the passes then run in cache) and 30-55 % less from
 128 K up (tools/bench_kernels.py). The inference-mode gradient kernel takes channels-last
