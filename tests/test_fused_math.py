@@ -151,7 +151,7 @@ def test_batch_statistics_are_stable_far_from_zero(centre, tolerance, path):
     assert np.max(np.abs(naive - want_var) / want_var) > 1e-5
 
 
-def test_exponential_avg_factor_blends_running_statistics():
+def test_exponential_avg_factor_blends_running_statistics(path):
     """FusedBatchNormV3's exponential_avg_factor f: outputs are (1-f)*running + f*global."""
     k, b, f = 2, 3, 0.25
     shape = (b, 4, 4, C)
@@ -159,6 +159,7 @@ def test_exponential_avg_factor_blends_running_statistics():
     x = (rng.normal(size=(k * b, *shape[1:])) * 2 + 1).astype(np.float32)
     graph = _towers(k, shape, avg_factor=f)
     result = rewrite_graph(graph, backend="collective")
+    assert len(kernel_moments(result.graph_def)) == (k if path == "kernels" else 0)
     # Every tower's all-reduce must run in the step: fetch both towers' statistics.
     fetches = [f"tower_{i}/batch_{s}:0" for s in ("mean", "variance") for i in range(k)]
     got = _run(result.graph_def, k, _split_feeds(k, x, np.zeros_like(x)), fetches)[1::2]
@@ -208,7 +209,7 @@ def test_dx_is_stable_far_from_zero(path):
 
 
 @pytest.mark.parametrize("op", ["FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"])
-def test_every_fused_op_version(op):
+def test_every_fused_op_version(op, path):
     """FusedBatchNorm and V2 have no reserve_space_3, so their gradients' all-reduce carries the
     counts; V3 gets N from the forward pass. dx and the batch statistics match one device."""
     k, b = 2, 3
@@ -225,12 +226,16 @@ def test_every_fused_op_version(op):
     got = _run(result.graph_def, k, _split_feeds(k, x, r), fetches)
     payload = {n.name: len(n.input) - 1 for n in result.graph_def.node if n.op == "ConcatV2" and n.name.endswith("sync_bn_grad/sums")}
     assert set(payload.values()) == ({2} if op == "FusedBatchNormV3" else {3}), payload  # [n,] sum dy, sum dy*xc
+    # The forward kernels serve every op version; the backward's need V3's count.
+    kernels = k if path == "kernels" else 0
+    assert (len(kernel_moments(result.graph_def)), len(kernel_gradients(result.graph_def))) == (
+        kernels, kernels if op == "FusedBatchNormV3" else 0)
     unsynced = _run(graph, k, _split_feeds(k, x, r), fetches)
 
     def dx_error(values: list) -> float:
         return float(np.max(np.abs(np.concatenate(values[0::3], axis=0) - want[0])) / np.max(np.abs(want[0])))
 
-    print(f"{op}: dx error {dx_error(got):.2e} (unsynced {dx_error(unsynced):.2e})")
+    print(f"{op} {path}: dx error {dx_error(got):.2e} (unsynced {dx_error(unsynced):.2e})")
     assert dx_error(got) < 1e-5 < 1e-2 < dx_error(unsynced)
     for i in range(k):
         np.testing.assert_allclose(got[3 * i + 1], want[1], rtol=1e-5, atol=1e-5)
