@@ -23,6 +23,7 @@ from bnrewrite.match.towers import TOWER_BY
 from bnrewrite.nodes import MARK
 from bnrewrite.passes import run_passes
 from bnrewrite.passes.record import PassRecord
+from bnrewrite.passes.sites import KERNEL_MIN_ELEMENTS, kernel_size_unknown
 from bnrewrite.plan import Options, Plan, plan_without_shared_body_updates
 from bnrewrite.report import LayerRow, Report
 
@@ -149,10 +150,16 @@ def _rewrite(
                 "all-reduces inside If branch functions are not chained across functions by order_collectives "
                 "(fine with the collective backend; with NCCL, towers could launch them in different orders)"
             )
+    unsized = sum(kernel_size_unknown(combined, group.sites[0]) for group in plan.groups)
     report = _report(plan, records, census, len(model), len(rewritten))
-    out_def = rewritten.to_graph_def()  # uses `rewritten` up
+    out_def = rewritten.to_graph_def()  # uses `rewritten` (and the storage `combined` reads) up
     if report_note:
         report.notes.append(report_note)
+    if unsized:
+        report.notes.append(
+            f"{unsized} layer(s) on CPU towers: elementwise passes, as the graph records no static shapes (fused "
+            f"kernels, faster from {KERNEL_MIN_ELEMENTS} elements per tower and leaner in float16, need them: "
+            "convert a .meta or pass a tf.Graph)")
     if options.num_workers > 1:
         report.notes.append(
             f"worker {options.task_index} of {options.num_workers}: every all-reduce spans all workers' towers; "

@@ -37,6 +37,7 @@ LARGE = (2, 32, 64, 32)  # 131,072 elements per tower: KERNEL_MIN_ELEMENTS
 def test_large_channels_last_float32_takes_the_kernels():
     assert np.prod(LARGE) == KERNEL_MIN_ELEMENTS
     result = rewrite_graph(_towers(2, LARGE))
+    assert not [note for note in result.report.notes if "static shapes" in note]
     assert sorted(kernel_moments(result.graph_def)) == [f"tower_{i}/sync_bn/local_moments" for i in range(2)]
     assert sorted(kernel_gradients(result.graph_def)) == [
         f"tower_{i}/gradients/tower_{i}/FusedBatchNormV3_grad/sync_bn_grad/local" for i in range(2)]
@@ -76,3 +77,11 @@ def test_kernel_path_trains_like_one_device(spec, monkeypatch):
     unsynced = max_rel_error(train(built.graph, built, data, num_devices=spec.towers), expected)
     print(f"kernels K={spec.towers} {spec.layer} {spec.dtype}: synced {synced:.2e}, unsynced {unsynced:.2e}")
     assert unsynced > 1e-2 and synced <= TOLERANCE[spec.dtype]
+
+
+def test_report_says_when_shapes_are_missing():
+    """A bare GraphDef of a layer that could take the kernels: the report says why it did not."""
+    notes = [note for note in rewrite_graph(_towers(2, LARGE).as_graph_def()).report.notes if "static shapes" in note]
+    assert len(notes) == 1 and notes[0].startswith("1 layer(s) on CPU towers: elementwise passes"), notes
+    assert not [note for note in rewrite_graph(_towers(2, LARGE, data_format="NCHW").as_graph_def()).report.notes
+                if "static shapes" in note]

@@ -66,7 +66,15 @@ def kernel_sized(graph: Graph, site: Site, activation: str) -> bool:
     rather than elementwise passes: float32 or float16, channels last, on a CPU tower, and at
     least KERNEL_MIN_ELEMENTS elements per tower by the graph's recorded static shape. GPU
     towers keep the passes: unmeasured there."""
-    if site.dtype not in KERNEL_DTYPES or site.data_format != "NHWC" or site.device.type != "CPU":
-        return False
-    elements = graph.static_elements(activation)
+    elements = graph.static_elements(activation) if _kernel_kind(site) else None
     return elements is not None and elements >= KERNEL_MIN_ELEMENTS
+
+
+def kernel_size_unknown(graph: Graph, site: Site) -> bool:
+    """Whether a fused site could take the kernels but the graph records no static shape of
+    its input to tell (a GraphDef saved without `_output_shapes`)."""
+    return site.kind == "fused" and _kernel_kind(site) and graph.static_elements(graph.node(site.name).input[0]) is None
+
+
+def _kernel_kind(site: Site) -> bool:
+    return site.dtype in KERNEL_DTYPES and site.data_format == "NHWC" and site.device.type == "CPU"
