@@ -281,7 +281,7 @@ def layer_dot(before: Any, after: Any, report: Any, layer: str) -> str:
         '  subgraph cluster_legend { label="legend"; fontsize=10; color="#bbbbbb";',
         '    legend_core [label="batch norm / gradient / update (before)", fillcolor="#ffe8a3"];',
         '    legend_added [label="added by bnrewrite", fillcolor="#d8f3dc"];',
-        '    legend_replaced [label="replaced (same name, IdentityN)", fillcolor="#a8dadc"];',
+        '    legend_replaced [label="replaced (same name)", fillcolor="#a8dadc"];',
         '    legend_collective [label="all-reduce", fillcolor="#f4a261", shape=box3d];',
         '    legend_removed [label="removed", style="dashed,rounded", color="#d62828", fontcolor="#d62828"];',
         '    legend_context [label="unchanged neighbour", color="#999999", fontcolor="#777777"];',

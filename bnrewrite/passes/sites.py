@@ -51,6 +51,12 @@ def layer_scope(editor: Editor, node_name: str, suffix: str) -> str:
     return editor.unique_name(posixpath.join(posixpath.dirname(node_name), suffix))
 
 
+def statistics_node(site: str) -> str:
+    """Where sync_forward puts a fused site's outputs 1-5 when the op itself stays to
+    normalize: sync_backward finds the global count there."""
+    return f"{site}/statistics"
+
+
 #: Activations of at least this many elements per tower take fused batch-norm kernels instead
 #: of elementwise passes, forward and backward (tools/bench_kernels.py; see sync_forward and
 #: sync_backward for the figures).

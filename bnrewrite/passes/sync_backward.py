@@ -40,7 +40,7 @@ from bnrewrite.graph import Graph, parse_input
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_FLOAT, Builder, DType, identity_n
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sites import SiteContext, each_site, kernel_sized
+from bnrewrite.passes.sites import SiteContext, each_site, kernel_sized, statistics_node
 from bnrewrite.plan import Plan
 
 F = DT_FLOAT
@@ -167,4 +167,4 @@ def _forward_count(graph: Graph, grad: str, site: Site) -> str | None:
     if node.op != "FusedBatchNormGradV3" or len(graph.inputs(grad)) < 6:
         return None
     spec = node.input[5]
-    return spec if through_identity(graph, parse_input(spec)) == (site.name, 5) else None
+    return spec if through_identity(graph, parse_input(spec)) in ((site.name, 5), (statistics_node(site.name), 4)) else None

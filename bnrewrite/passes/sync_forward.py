@@ -13,22 +13,36 @@ as long at 16-32 K (tools/bench_kernels.py). In training steps it paid at 1 M (t
 vs 1.068 x unsynced) but not at 64 K (op time +2.2 ms per step), hence the same threshold as
 the backward.
 
-The training op is replaced by an IdentityN of the same name whose outputs are:
-y (an inference-mode fused batch norm fed the global moments), the global batch mean and
-Bessel-corrected variance (blended with the running inputs when exponential_avg_factor is
-not 1, as the op does), then reserve spaces carrying the global mean, 1/sqrt(var+eps) and
-(FusedBatchNormV3) the global count N, which `sync_backward` reads.
+The training op stays, under its name, in inference mode: fed the global mean, the
+Bessel-corrected global variance and a scale times sqrt(that + eps) / sqrt(biased variance +
+eps), it normalizes x by the biased variance as the training op does, and its outputs 1 and 2
+(should a user fetch them) are the global batch mean and Bessel-corrected variance the
+training op would give. What the graph reads of outputs 1-5 moves to an IdentityN beside it,
+`<op>/statistics`: the global batch mean and Bessel-corrected variance (blended with the
+running inputs when exponential_avg_factor is not 1, as the op does), then reserve spaces
+carrying the global mean, 1/sqrt(var+eps) and (FusedBatchNormV3) the global count N, which
+`sync_backward` reads. Output 0 then keeps only its own consumers, so Grappler still fuses a
+following ReLU into the op on CPU, as it did the training op (one pass less over the
+activation: at the large benchmark size the ReLUs took 9-10 ms of op time per step, the
+fused op 1-6 ms more than the unfused one).
+Where exponential_avg_factor is not 1 (outputs 1 and 2 are then blends, which an
+inference-mode op cannot pass on) and inside function bodies (whose return values name the
+op's outputs), the op is replaced by an IdentityN of the same name instead, with y from an
+inference-mode op beside it and outputs 1-5 as above.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from bnrewrite.graph import Graph
+from tensorflow.core.framework.node_def_pb2 import NodeDef
+
+from bnrewrite.functions import in_body
+from bnrewrite.graph import Graph, tensor_name
 from bnrewrite.match.sites import Site
-from bnrewrite.nodes import DT_DOUBLE, DT_FLOAT, Builder, DType, identity_n
+from bnrewrite.nodes import DT_DOUBLE, DT_FLOAT, MARK, Builder, DType, identity_n, set_attr
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sites import SiteContext, each_site, kernel_sized
+from bnrewrite.passes.sites import SiteContext, each_site, kernel_sized, statistics_node
 from bnrewrite.plan import Plan
 from bnrewrite.statistics import Local, centred_moments, global_moments
 
@@ -61,17 +75,48 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     }
     if site.op != "FusedBatchNorm":
         norm_attrs["U"] = DType(U)
-    y = b.node(site.op, "normalize", [x, scale, offset, b.cast("mean_u", mean, F, U), b.cast("variance_u", var, F, U)], **norm_attrs)
-
     batch_mean = _blend(b, "batch_mean", mean, mean_in, site)
     batch_var = _blend(b, "batch_variance", moments.variance_unbiased, var_in, site)
-    outputs = [y, *(b.cast(f"out_{i}", t, F, U) for i, t in enumerate((batch_mean, batch_var, mean, rstd)))]
+    statistics = [b.cast(f"out_{i}", t, F, U) for i, t in enumerate((batch_mean, batch_var, mean, rstd))]
     if site.op == "FusedBatchNormV3":  # reserve_space_3: the global count, so gradients need not count again
-        outputs.append(b.cast("count_u", b.cast("count_float", moments.count, DT_DOUBLE, F), F, U))
-    replacement = identity_n(site.name, outputs + controls, [T] + [U] * (len(outputs) - 1), node.device, key)
-    editor.replace(replacement)
+        statistics.append(b.cast("count_u", b.cast("count_float", moments.count, DT_DOUBLE, F), F, U))
+    if site.avg_factor == 1.0 and not in_body(site.name):
+        # The op stays, in inference mode, fed the global mean and Bessel-corrected variance
+        # (its outputs 1 and 2 pass them on, as the training op gave them) and a scale that
+        # makes up for the latter.
+        fed_var = moments.variance_unbiased
+        std_fed = b.unary("Sqrt", "std_fed", b.binary("AddV2", "variance_fed_eps", fed_var, eps, F), F)
+        scale_fed = b.binary("Mul", "scale_fed", b.cast("scale_f", scale, U, F), b.binary("Mul", "std_ratio", rstd, std_fed, F), F)
+        inputs = [x, b.cast("scale_u", scale_fed, F, U), offset, b.cast("mean_u", mean, F, U), b.cast("variance_u", fed_var, F, U)]
+        editor.replace(_marked(site.op, site.name, inputs + controls, node.device, key, norm_attrs))
+        _move_statistics(ctx, site.name, statistics + controls, U)
+    else:
+        y = b.node(site.op, "normalize", [x, scale, offset, b.cast("mean_u", mean, F, U), b.cast("variance_u", var, F, U)], **norm_attrs)
+        editor.replace(identity_n(site.name, [y, *statistics, *controls], [T] + [U] * len(statistics), node.device, key))
     ctx.record.replaced.append(site.name)
     ctx.record.collectives.append(moments.collective)
+
+
+def _marked(op: str, name: str, inputs: list[str], device: str, key: str, attrs: dict[str, object]) -> NodeDef:
+    """A node that takes the place and name of a replaced one, carrying the mark."""
+    node = NodeDef(op=op, name=name, input=inputs, device=device)
+    for attr, value in attrs.items():
+        set_attr(node, attr, value)
+    set_attr(node, MARK, key)
+    return node
+
+
+def _move_statistics(ctx: SiteContext, site: str, inputs: list[str], dtype: int) -> None:
+    """Outputs 1-5 of `site` move to an IdentityN beside it, of `inputs` (the new outputs,
+    then the op's control edges): whatever read them reads that. The op's output 0 keeps
+    only its own consumers (usually a Relu), so that Grappler's remapper fuses the two on
+    CPU as it did the training op: it fuses no op whose other outputs are read."""
+    moved = ctx.editor.unique_name(statistics_node(site))
+    outputs = [i for i in inputs if not i.startswith("^")]
+    ctx.editor.add(identity_n(moved, inputs, [dtype] * len(outputs), ctx.graph.node(site).device, ctx.key))
+    for output in range(1, len(outputs) + 1):
+        for edge in ctx.graph.consumers_of(site, output):
+            ctx.editor.mutable(edge.consumer).input[edge.slot] = tensor_name(moved, output - 1)
 
 
 def _kernel_moments(b: Builder, x: str, scale: str, offset: str, site: Site) -> Local:

@@ -1,0 +1,95 @@
+"""What a synced fused layer's forward op gives: the op stays, under its name, in inference
+mode (sync_forward), so Grappler still fuses the ReLU after it as it did the training op, and
+its outputs read directly are the one-device op's: y, the batch mean and the Bessel-corrected
+batch variance of the global batch."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from bnrewrite import rewrite_graph
+from models import Spec, build_towers, make_batches, session_config
+
+tf1 = tf.compat.v1
+
+
+def _fused_relus(graph_def, built, spec: Spec) -> int:
+    """Batch norms that ran fused with their ReLU in one traced training step (op types as
+    they ran, after Grappler and oneDNN rewrites)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.import_graph_def(graph_def, name="")
+    images, labels = make_batches(spec, 1)[0]
+    per_tower = len(images) // spec.towers
+    feeds = {}
+    for k, (x, y) in enumerate(built.inputs):
+        feeds[x] = images[k * per_tower:(k + 1) * per_tower]
+        feeds[y] = labels[k * per_tower:(k + 1) * per_tower]
+    options, metadata = tf1.RunOptions(trace_level=tf1.RunOptions.FULL_TRACE), tf1.RunMetadata()
+    with tf1.Session(graph=graph, config=session_config(spec.towers)) as session:
+        session.run(built.init)
+        session.run(built.train_op, feeds, options=options, run_metadata=metadata)
+    labels_run = [n.timeline_label for d in metadata.step_stats.dev_stats for n in d.node_stats]
+    return sum("FusedBatchNormEx" in label.split("(")[0] for label in labels_run)
+
+
+@pytest.mark.parametrize("layer", ["legacy", "fused_op"])
+def test_relu_stays_fused_with_the_batch_norm(layer):
+    spec = Spec(towers=2, layer=layer)
+    built = build_towers(spec)
+    result = rewrite_graph(built.graph)
+    before = _fused_relus(built.graph.as_graph_def(), built, spec)
+    after = _fused_relus(result.graph_def, built, spec)
+    print(f"{layer}: batch norms fused with a ReLU: un-rewritten {before}, rewritten {after}")
+    assert before == 2 * spec.towers and after == before
+
+
+SCALE = np.linspace(0.5, 2.0, 6, dtype=np.float32)
+OFFSET = np.linspace(-1.0, 1.0, 6, dtype=np.float32)
+RUNNING = np.full(6, 0.25, np.float32)
+
+
+def _fused(x, factor: float):
+    return tf1.raw_ops.FusedBatchNormV3(x=x, scale=tf1.get_variable("scale", initializer=SCALE),
+                                        offset=tf1.get_variable("offset", initializer=OFFSET), mean=RUNNING,
+                                        variance=RUNNING, exponential_avg_factor=factor, is_training=True)
+
+
+def _one_device(x: np.ndarray, factor: float) -> list[np.ndarray]:
+    graph = tf.Graph()
+    with graph.as_default(), tf1.Session() as session:
+        out = _fused(tf.constant(x), factor)
+        session.run(tf1.global_variables_initializer())
+        return session.run(list(out[:3]))
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.25])
+def test_outputs_read_directly_are_the_global_batchs(factor):
+    """factor 1: the op itself; otherwise (blends) the IdentityN that replaces it."""
+    k, shape = 2, (3, 4, 5, 6)
+    graph, sites = tf.Graph(), []
+    with graph.as_default():
+        for i in range(k):
+            with tf.device(f"/cpu:{i}"), tf.name_scope(f"tower_{i}"), tf1.variable_scope("", reuse=i > 0):
+                x = tf1.placeholder(tf.float32, shape, name="x")
+                out = _fused(x, factor)
+                tf.gradients(tf.reduce_sum(out.y ** 2), [x])
+                sites.append(out.y.op.name)
+        init = tf1.global_variables_initializer().name
+    result = rewrite_graph(graph)
+    kept = [n for n in result.graph_def.node if n.name in sites]
+    assert [n.op for n in kept] == ["FusedBatchNormV3" if factor == 1.0 else "IdentityN"] * k
+    rng = np.random.default_rng(0)
+    slices = [rng.normal(3.0, 2.0, shape).astype(np.float32) for _ in range(k)]
+    expected = _one_device(np.concatenate(slices), factor)
+    synced = tf.Graph()
+    with synced.as_default():
+        tf1.import_graph_def(result.graph_def, name="")
+    with tf1.Session(graph=synced, config=session_config(k)) as session:
+        session.run(init)
+        feeds = {f"tower_{i}/x:0": s for i, s in enumerate(slices)}
+        for i, site in enumerate(sites):
+            got = session.run([f"{site}:{j}" for j in range(3)], feeds)
+            np.testing.assert_allclose(got[0], expected[0][i * shape[0]:(i + 1) * shape[0]], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(got[1], expected[1], rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(got[2], expected[2], rtol=1e-5)
