@@ -3,7 +3,7 @@
     python tools/bench_step.py [--towers 4] [--sizes default,large] [--dtypes float32,float16]
                                [--variants unsynced,bnrewrite,model_sync,keras_sync,floor,floor_gated,
                                            bnrewrite_collective,floor_collective]
-                               [--steps 30] [--warmup 5] [--block 2] [--traces 3] [--quick]
+                               [--steps 30] [--warmup 5] [--block 2] [--traces 6] [--quick]
 
 One process, K virtual CPU devices (`device_count={"CPU": K}`), one tower per device, the
 tools/deep_net.py model; the variants (tools/step_variants.py: unsynced, bnrewrite with the
@@ -105,7 +105,9 @@ class Measured:
         """Per device, the lowest peak over the traced steps: the peak the step needs. Two ops of
         one device whose transient buffers happen to overlap add a spike that comes and goes from
         step to step of the same graph (float16 on CPU: un-synced 26.85 MiB on three devices and
-        49 MiB on the fourth, another one each step, while its allocation records balance)."""
+        49 MiB on the fourth, another one each step, while its allocation records balance). Three
+        traced steps were not always enough to see every device without one: 2026-11-25 four
+        variants, the gated floor among them, kept a 49 MiB device (1.84 x); six were."""
         return self._over_traces("peak", min)
 
     def _over_traces(self, attribute: str, summary: Callable[[Iterable[float]], float]) -> dict[str, float]:
@@ -338,7 +340,8 @@ def arguments(doc: str, towers: int, towers_help: str, sizes: str) -> argparse.A
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant and configuration")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--block", type=int, default=2, help="steps per variant before the next one's turn")
-    parser.add_argument("--traces", type=int, default=3, help="traced steps per variant (medians)")
+    parser.add_argument("--traces", type=int, default=6,
+                        help="traced steps per variant (op times: medians; peak memory: the lowest, see Measured.peak)")
     parser.add_argument("--top", type=int, default=10, help="op types listed per synced variant (largest |Δ|)")
     parser.add_argument("--quick", action="store_true", help="default size only, 6 steps, 1 warm-up, 1 trace")
     return parser

@@ -101,7 +101,8 @@ def floor_graph_def(graph_def: tf1.GraphDef, backend: str, gated: bool = False) 
     """`graph_def` (deep_net, FusedBatchNormV3) plus, per batch-norm layer and tower, the
     all-reduces bnrewrite adds — one float64 [2C+1] fed by a slice of the layer's input, one
     float32 [2C] fed by a slice of its incoming gradient — that `train_op` waits for, or,
-    `gated`, the batch-norm op or gradient each belongs to. Their results
+    `gated`, the batch-norm op or gradient each belongs to (through an Identity on its scale
+    input, which keeps the op fusable with its ReLU). Their results
     are unused: the step pays for the transfers and the waiting, not for any statistics. NCCL
     and collective all-reduces are chained per tower in one order (forward layers, then
     gradients as autodiff built them) as bnrewrite orders its own; local ones are an AddN on
@@ -145,8 +146,19 @@ def floor_graph_def(graph_def: tf1.GraphDef, backend: str, gated: bool = False) 
         for (op, _, _), reduce in zip(tower_members, reduces[device]):
             waiting.setdefault(op.name if gated else "train_op", []).append(f"^{reduce.name}")
     floor = graph.as_graph_def()
-    for node in floor.node:
-        node.input.extend(waiting.get(node.name, []))
+    for node in list(floor.node):
+        if node.name not in waiting:
+            continue
+        if not gated:
+            node.input.extend(waiting[node.name])
+            continue
+        # The op reads its scale through an Identity that waits: a control edge on the op
+        # itself would keep Grappler from fusing it with its ReLU, as bnrewrite's are.
+        slot = 1 if node.op == "FusedBatchNormV3" else 2
+        gate = floor.node.add(name=f"{node.name}/floor_gate", op="Identity", device=node.device,
+                              input=[node.input[slot], *waiting[node.name]])
+        gate.attr["T"].type = tf.float32.as_datatype_enum
+        node.input[slot] = gate.name
     return floor
 
 

@@ -22,9 +22,9 @@ training op would give. What the graph reads of outputs 1-5 moves to an Identity
 running inputs when exponential_avg_factor is not 1, as the op does), then reserve spaces
 carrying the global mean, 1/sqrt(var+eps) and (FusedBatchNormV3) the global count N, which
 `sync_backward` reads. Output 0 then keeps only its own consumers, so Grappler still fuses a
-following ReLU into the op on CPU, as it did the training op (one pass less over the
-activation: at the large benchmark size the ReLUs took 9-10 ms of op time per step, the
-fused op 1-6 ms more than the unfused one).
+following ReLU into the op on CPU, as it did the training op: one pass less over the
+activation (at the large benchmark size the ReLUs' 9-10 ms of op time per step go; the step,
+A/B in one process, took 0.986-1.000 of its time with the ReLUs apart).
 Where exponential_avg_factor is not 1 (outputs 1 and 2 are then blends, which an
 inference-mode op cannot pass on) and inside function bodies (whose return values name the
 op's outputs), the op is replaced by an IdentityN of the same name instead, with y from an
