@@ -174,7 +174,8 @@ class Builder:
 
 
 def identity_n(name: str, inputs: list[str], types: list[int], device: str, layer: str) -> node_def_pb2.NodeDef:
-    """An IdentityN that takes the place, and the name, of a replaced op: consumers keep reading it."""
+    """An IdentityN carrying the layer's mark: in the place and under the name of a replaced op
+    (its consumers keep reading it), or holding outputs moved off an op that stays."""
     node = node_def_pb2.NodeDef(op="IdentityN", name=name, device=device)
     node.input.extend(inputs)
     set_attr(node, "T", [DType(t) for t in types])
