@@ -16,6 +16,10 @@ as training does), without the all-reduce, whose cost is the same for both forms
 - backward, kernels: an inference-mode FusedBatchNormGradV3 (gain * dy and both sums), an
   inference-mode FusedBatchNormV3 of x (the correction) and an AddV2.
 
+Then the gradient kernel alone, FusedBatchNormGradV3 fed fixed moments, in training mode (what
+the un-synced graph runs) and in inference mode (what sync_backward's kernel path runs), in
+float32 and float16: why the kernel path takes the inference mode in float16 too.
+
 Prints wall and process CPU microseconds per computation and tower, medians of 15 steps.
 """
 
@@ -66,21 +70,31 @@ def backward_kernels(dy: tf.Tensor, x: tf.Tensor, mean: tf.Tensor, variance: tf.
     return local + correction
 
 
+def gradient_kernel(training: bool) -> Callable[[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor], tf.Tensor]:
+    """A link: dx of FusedBatchNormGradV3 for dy = t, in training or inference mode."""
+    def link(t: tf.Tensor, x: tf.Tensor, mean: tf.Tensor, variance: tf.Tensor) -> tf.Tensor:
+        return tf.raw_ops.FusedBatchNormGradV3(
+            y_backprop=t, x=x, scale=variance, reserve_space_1=mean, reserve_space_2=variance,
+            reserve_space_3=tf.zeros([0]), epsilon=1e-3, is_training=training)[0]
+    return link
+
+
 def measure(link: Callable[[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor], tf.Tensor], shape: list[int],
-            towers: int) -> tuple[float, float]:
-    """`link(t, x, mean, variance)` -> the next t, CHAIN times per tower: wall and CPU seconds per link and tower."""
+            towers: int, dtype: tf.DType = tf.float32) -> tuple[float, float]:
+    """`link(t, x, mean, variance)` -> the next t, CHAIN times per tower: wall and CPU seconds per
+    link and tower. x and t are `dtype`; mean and variance float32, as the fused ops keep them."""
     graph = tf.Graph()
     with graph.as_default():
         outputs, feeds = [], {}
         for k in range(towers):
             with tf.device(f"/cpu:{k}"):
-                x = tf1.placeholder(tf.float32, shape)
-                mean, variance = tf.reduce_mean(x, [0, 1, 2]), tf.ones([shape[-1]])
+                x = tf1.placeholder(dtype, shape)
+                mean, variance = tf.reduce_mean(tf.cast(x, tf.float32), [0, 1, 2]), tf.ones([shape[-1]])
                 t = x
                 for _ in range(CHAIN):
                     t = link(t, x, mean, variance)
                 outputs.append(tf.reduce_sum(t))
-                feeds[x] = np.random.default_rng(k).standard_normal(shape).astype(np.float32)
+                feeds[x] = np.random.default_rng(k).standard_normal(shape).astype(dtype.as_numpy_dtype)
     config = tf1.ConfigProto()
     config.device_count["CPU"] = towers
     with tf1.Session(graph=graph, config=config) as session:
@@ -119,6 +133,15 @@ def main(argv: list[str] | None = None) -> None:
             k_wall, k_cpu = measure(kernels, shape, args.towers)
             print(f"{direction:>8} {text:>14} {int(np.prod(shape)):>9} {p_wall * 1e6:>12.1f} {p_cpu * 1e6:>7.1f} "
                   f"{k_wall * 1e6:>13.1f} {k_cpu * 1e6:>7.1f} {k_wall / p_wall:>15.2f}")
+    print(f"\ngradient kernel alone; µs per layer and tower\n{'dtype':>8} {'shape':>14} {'training wall':>14} {'CPU':>7} "
+          f"{'inference wall':>15} {'CPU':>7} {'inference/training':>19}")
+    for dtype in (tf.float32, tf.float16):
+        for text in args.shapes.split(","):
+            shape = [int(d) for d in text.split("x")]
+            t_wall, t_cpu = measure(gradient_kernel(True), shape, args.towers, dtype)
+            i_wall, i_cpu = measure(gradient_kernel(False), shape, args.towers, dtype)
+            print(f"{dtype.name:>8} {text:>14} {t_wall * 1e6:>14.1f} {t_cpu * 1e6:>7.1f} {i_wall * 1e6:>15.1f} "
+                  f"{i_cpu * 1e6:>7.1f} {i_wall / t_wall:>19.2f}")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def statistics_node(site: str) -> str:
 #: sync_backward for the figures).
 KERNEL_MIN_ELEMENTS = 1 << 17
 #: ... if of these types. Not bfloat16: the backward's kernels round its two terms of dx to
-#: 8 bits apart (3.7e-2 against the 2e-2 its oracle allows); float16 keeps 11 bits (3.6e-4
+#: 8 bits apart (3.7e-2 against the 2e-2 its oracle allows); float16 keeps 11 bits (6.4e-4
 #: against 2e-3).
 KERNEL_DTYPES = frozenset({DT_FLOAT, DT_HALF})
 

@@ -24,10 +24,14 @@ as long as the passes at 64 K elements (the passes then run in cache) and 30-55 
 data only. In float16 the kernels keep the step's peak memory at the un-synced graph's (the
 passes hold float32 copies of dy and x - mean across the all-reduce: 1.27x at the large
 benchmark size), at a price in rounding: the two terms of dx are rounded to float16 before
-they are added. The local kernel then runs in training mode (see _rewrite_grad_with_kernels),
-which keeps the correction small: the float16 oracle's error 1.3e-4 / 2.2e-4 -> 3.6e-4 / 3.4e-4
-(K=2 / K=4; inference mode: 5.7e-4 / 6.1e-4), within its 2e-3. bfloat16's 8 bits (3.7e-2 in
-inference mode) keep the passes.
+they are added, and the float16 oracle's error goes from 1.3e-4 / 2.2e-4 to 6.4e-4 / 6.1e-4
+(K=2 / K=4), within its 2e-3. A training-mode local kernel fed the global moments would take
+the tower's own means off first and keep the correction small (3.6e-4 / 3.4e-4), but in
+float16 it takes twice as long as the inference mode on CPU (629 against 293 us per layer and
+tower at 1 M elements, tools/bench_kernels.py), and the un-synced graph's own gradient is that
+training-mode kernel: with it, a synced float16 step cost what the floor costs plus 17 ms at
+the large benchmark size (model code: plus 35 ms); with the inference mode, the floor's cost
+(tools/bench_step.py). bfloat16's 8 bits (3.7e-2) keep the passes.
 """
 
 from __future__ import annotations
@@ -105,12 +109,8 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
 
 
 def _rewrite_grad_with_kernels(grad: str, site: Site, ctx: SiteContext, phase: int, counted: str) -> None:
-    """The kernel path (module docstring): channels last, FusedBatchNormGradV3.
-
-    In float16 the local kernel runs in training mode: fed the global moments, it takes off
-    this tower's own means of dy and dy*x_hat, so that its output is close to dx and the
-    correction small; rounded to float16 apart, they then lose little. In float32 the
-    inference mode, one pass cheaper, takes off nothing."""
+    """The kernel path (module docstring): channels last, FusedBatchNormGradV3 in inference
+    mode, which takes no means off (that is the correction's work) and so costs one pass."""
     node = ctx.graph.node(grad)
     dy, x, scale, mean, rstd = node.input[:5]
     controls = [i for i in node.input if i.startswith("^")]
@@ -118,30 +118,22 @@ def _rewrite_grad_with_kernels(grad: str, site: Site, ctx: SiteContext, phase: i
     eps = b.const("epsilon", site.epsilon, np.float32)
     variance = b.binary("Sub", "variance", b.unary("Reciprocal", "variance_eps", b.unary("Square", "rstd_sq", rstd, F), F), eps, F)
     attrs = {"epsilon": site.epsilon, "data_format": "NHWC", "T": DType(site.dtype), "U": DType(F)}
-    local_means = site.dtype != F
     empty = b.const("empty_float", np.zeros([0], np.float32), np.float32)
-    local = b.node("FusedBatchNormGradV3", "local", [dy, x, scale, mean, variance, empty], is_training=local_means, **attrs)
+    local = b.node("FusedBatchNormGradV3", "local", [dy, x, scale, mean, variance, empty], is_training=False, **attrs)
     sum_dy_xhat, sum_dy = f"{local}:1", f"{local}:2"
     reduce_name = all_reduce(b, "all_reduce", b.concat("sums", [sum_dy, sum_dy_xhat], F),
                              F, ctx.plan.collective(ctx.layer, phase, ctx.tower))
     ctx.record.collectives.append(reduce_name)
     gsum_dy, gsum_dy_xhat = b.split_pairs("global", reduce_name, F)
-    gain = b.binary("Mul", "gain", scale, rstd, F)
-    n_local = b.count("local_count", x, b.const("axes", site.reduce_axes), site.dtype, F) if local_means else None
+    minus_gain = b.unary("Neg", "minus_gain", b.binary("Mul", "gain", scale, rstd, F), F)
 
-    def correction_factor(name: str, local_sum: str, global_sum: str) -> str:
-        """gain * (the mean the local kernel took off - the global mean dx takes off)."""
-        global_mean = b.binary("DivNoNan", f"{name}/global_mean", global_sum, counted, F)
-        if n_local is None:
-            excess = b.unary("Neg", f"{name}/excess", global_mean, F)
-        else:
-            excess = b.binary("Sub", f"{name}/excess", b.binary("DivNoNan", f"{name}/local_mean", local_sum, n_local, F),
-                              global_mean, F)
-        return b.binary("Mul", name, gain, excess, F)
+    def correction_factor(name: str, global_sum: str) -> str:
+        """-gain * the global mean that dx takes off."""
+        return b.binary("Mul", name, minus_gain, b.binary("DivNoNan", f"{name}/global_mean", global_sum, counted, F), F)
 
     correction = b.node("FusedBatchNormV3", "correction", [
-        x, correction_factor("correction_scale", sum_dy_xhat, gsum_dy_xhat),
-        correction_factor("correction_offset", sum_dy, gsum_dy), mean, variance,
+        x, correction_factor("correction_scale", gsum_dy_xhat), correction_factor("correction_offset", gsum_dy),
+        mean, variance,
     ], exponential_avg_factor=1.0, is_training=False, **attrs)
     dx = b.binary("AddV2", "dx", local, correction, site.dtype)
     _replace(grad, b, dx, sum_dy_xhat, sum_dy, controls, site, ctx)
