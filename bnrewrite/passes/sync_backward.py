@@ -17,11 +17,11 @@ at least KERNEL_MIN_ELEMENTS elements per tower by its recorded static shape: se
 bnrewrite.passes.sites), the same dx comes from two fused kernels instead of six elementwise
 passes: an inference-mode FusedBatchNormGradV3 fed the global moments gives scale*rstd*dy and
 both local sums in one pass over dy and x, and after the all-reduce an inference-mode
-FusedBatchNormV3 of x gives the rest, -scale*rstd*(x_hat *
-sum(dy*x_hat) + sum(dy))/N, which one AddV2 adds. On 4 virtual CPUs the kernels take 1.4-2.3x
-as long as the passes at 64 K elements (the passes then run in cache) and 30-55 % less from
-128 K up (tools/bench_kernels.py). The inference-mode gradient kernel takes channels-last
-data only. In float16 the kernels keep the step's peak memory at the un-synced graph's (the
+FusedBatchNormV3 of x gives the rest, -scale*rstd*(x_hat * sum(dy*x_hat) + sum(dy))/N,
+which one AddV2 adds. On 4 virtual CPUs the kernels take 1.4-2.4x as long as the passes at
+64 K elements (the passes then run in cache) and 6-55 % less from 128 K up, depending on the
+run (tools/bench_kernels.py). The inference-mode gradient kernel takes channels-last data
+only. In float16 the kernels keep the step's peak memory at the un-synced graph's (the
 passes hold float32 copies of dy and x - mean across the all-reduce: 1.27x at the large
 benchmark size), at a price in rounding: the two terms of dx are rounded to float16 before
 they are added, and the float16 oracle's error goes from 1.3e-4 / 2.2e-4 to 6.4e-4 / 6.1e-4

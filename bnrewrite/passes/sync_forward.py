@@ -7,9 +7,9 @@ large (float32 or float16, channels last, on a CPU tower, at least KERNEL_MIN_EL
 per tower by its recorded static shape: see bnrewrite.passes.sites), from a training-mode
 FusedBatchNormV3 of x: its batch mean and Bessel-corrected variance, computed around the local
 mean as the passes do, whose y goes unused. The kernel reads x about as often as the passes
-and writes one tensor, as SquaredDifference does; on 4 virtual CPUs it takes 0.61-0.67 of the
-passes' time at 512 K-1 M elements, 0.91-0.93 at 128 K, 0.83-0.91 at 64 K and 1.1-1.7 times
-as long at 16-32 K (tools/bench_kernels.py). In training steps it paid at 1 M (the step 1.039
+and writes one tensor, as SquaredDifference does; on 4 virtual CPUs it takes 0.61-0.86 of the
+passes' time at 512 K-1 M elements, 0.91-0.97 at 128 K, 0.83-1.27 at 64 K and 1.1-1.7 times
+as long at 16-32 K, depending on the run (tools/bench_kernels.py). In training steps it paid at 1 M (the step 1.039
 vs 1.068 x unsynced) but not at 64 K (op time +2.2 ms per step), hence the same threshold as
 the backward.
 
