@@ -82,14 +82,24 @@ def test_outputs_read_directly_are_the_global_batchs(factor):
     rng = np.random.default_rng(0)
     slices = [rng.normal(3.0, 2.0, shape).astype(np.float32) for _ in range(k)]
     expected = _one_device(np.concatenate(slices), factor)
-    synced = tf.Graph()
-    with synced.as_default():
-        tf1.import_graph_def(result.graph_def, name="")
-    with tf1.Session(graph=synced, config=session_config(k)) as session:
+    feeds = {f"tower_{i}/x:0": s for i, s in enumerate(slices)}
+    synced = _outputs(result.graph_def, init, feeds, sites, k)
+    for i, got in enumerate(synced):
+        np.testing.assert_allclose(got[0], expected[0][i * shape[0]:(i + 1) * shape[0]], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[1], expected[1], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(got[2], expected[2], rtol=1e-5)
+    unsynced = _outputs(graph.as_graph_def(), init, feeds, sites, k)
+    differs = [float(np.max(np.abs(got[1] - expected[1]))) for got in unsynced]
+    print(f"factor {factor}: un-rewritten towers' batch means off by {differs}")
+    assert min(differs) > 1e-2
+
+
+def _outputs(graph_def, init: str, feeds: dict, sites: list[str], k: int) -> list[list[np.ndarray]]:
+    """Outputs 0-2 of each site, read by name, in one run of `graph_def` on k devices."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.import_graph_def(graph_def, name="")
+    with tf1.Session(graph=graph, config=session_config(k)) as session:
         session.run(init)
-        feeds = {f"tower_{i}/x:0": s for i, s in enumerate(slices)}
-        for i, site in enumerate(sites):
-            got = session.run([f"{site}:{j}" for j in range(3)], feeds)
-            np.testing.assert_allclose(got[0], expected[0][i * shape[0]:(i + 1) * shape[0]], rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(got[1], expected[1], rtol=1e-6, atol=1e-6)
-            np.testing.assert_allclose(got[2], expected[2], rtol=1e-5)
+        got = session.run([[f"{site}:{j}" for j in range(3)] for site in sites], feeds)
+    return got
