@@ -158,7 +158,7 @@ def _rewrite(
     if unsized:
         report.notes.append(
             f"{unsized} layer(s) on CPU towers: elementwise passes, as the graph records no static shapes (fused "
-            f"kernels, faster from {KERNEL_MIN_ELEMENTS} elements per tower and leaner in float16, need them: "
+            f"kernels, faster from {KERNEL_MIN_ELEMENTS} elements per tower, need them: "
             "convert a .meta or pass a tf.Graph)")
     if options.num_workers > 1:
         report.notes.append(

@@ -1,7 +1,7 @@
 """When a synced fused layer takes fused batch-norm kernels instead of elementwise passes:
-float32 or float16, channels last, CPU towers, an activation whose recorded static shape has
-at least KERNEL_MIN_ELEMENTS elements per tower (bnrewrite.passes.sites), for the local
-moments (sync_forward) and dx (sync_backward). Their float32 numbers are tested in
+channels last, CPU towers, and float16, or float32 with an activation whose recorded static
+shape has at least KERNEL_MIN_ELEMENTS elements per tower (bnrewrite.passes.sites), for the
+local moments (sync_forward) and dx (sync_backward). Their float32 numbers are tested in
 test_fused_math.py (both paths), and here through the oracle in float32 and float16."""
 
 import numpy as np
@@ -46,6 +46,7 @@ def test_large_channels_last_float32_takes_the_kernels():
 @pytest.mark.parametrize("why, graph", [
     ("one element short", lambda: _towers(2, (2, 32, 64, 32 - 1))),
     ("channels first", lambda: _towers(2, (2, 32, 32, 64), data_format="NCHW")),
+    ("float16 channels first", lambda: _towers(2, (2, 8, 4, 4), data_format="NCHW", dtype=tf.float16)),
     ("bfloat16", lambda: _towers(2, LARGE, dtype=tf.bfloat16)),
     ("no static shapes recorded", lambda: _towers(2, LARGE).as_graph_def()),
     ("batch size unknown", lambda: _towers(2, (None, *LARGE[1:]))),
@@ -55,6 +56,19 @@ def test_otherwise_the_elementwise_passes(why, graph):
     assert not kernel_moments(result.graph_def) and not kernel_gradients(result.graph_def), why
     names = {n.name.rsplit("/", 1)[-1] for n in result.graph_def.node}
     assert {"squared", "dy_minus_proj"} <= names, why
+
+
+@pytest.mark.parametrize("why, graph", [
+    ("small", lambda: _towers(2, (2, 4, 4, 8), dtype=tf.float16)),
+    ("no static shapes recorded", lambda: _towers(2, (2, 4, 4, 8), dtype=tf.float16).as_graph_def()),
+    ("batch size unknown", lambda: _towers(2, (None, 4, 4, 8), dtype=tf.float16)),
+])
+def test_float16_channels_last_takes_the_kernels_at_any_size(why, graph):
+    """Its passes would hold float32 copies of the activation and its gradient across the
+    all-reduce (more peak memory than the un-synced graph); the size does not matter."""
+    result = rewrite_graph(graph())
+    assert len(kernel_moments(result.graph_def)) == len(kernel_gradients(result.graph_def)) == 2, why
+    assert not [note for note in result.report.notes if "static shapes" in note], why
 
 
 #: As in test_oracle: float32 rounding, and float16's 11 bits of input and output.

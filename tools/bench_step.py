@@ -348,7 +348,7 @@ def arguments(doc: str, towers: int, towers_help: str, sizes: str) -> argparse.A
 
 
 def run(args: argparse.Namespace, device: str, towers: int, where: str) -> None:
-    """Measures and prints every size × dtype, then the goal lines."""
+    """Measures and prints every size × dtype with its goal lines, then all the goal lines together."""
     if args.quick:
         args.sizes, args.steps, args.warmup, args.traces = "default", 6, 1, 1
     names = ["unsynced"] + [n for n in args.variants.split(",") if n != "unsynced"]
@@ -365,7 +365,9 @@ def run(args: argparse.Namespace, device: str, towers: int, where: str) -> None:
             title = (f"{where}, {dtype}: {size}; median of {args.steps} steps after {args.warmup} warm-up, "
                      f"{args.traces} traced")
             print_config(title, measured, args.top)
-            goals += goal_lines(f"{size_name} {dtype}", measured, size_name == "default")
+            lines = goal_lines(f"{size_name} {dtype}", measured, size_name == "default")
+            print("\n".join(f"  goal: {line}" for line in lines))  # kept should a long run be cut short
+            goals += lines
             sys.stdout.flush()
     print("\n== goals ==")
     print("\n".join(goals))

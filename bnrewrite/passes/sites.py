@@ -57,29 +57,37 @@ def statistics_node(site: str) -> str:
     return f"{site}/statistics"
 
 
-#: Activations of at least this many elements per tower take fused batch-norm kernels instead
-#: of elementwise passes, forward and backward (tools/bench_kernels.py; see sync_forward and
-#: sync_backward for the figures).
+#: float32 activations of at least this many elements per tower take fused batch-norm kernels
+#: instead of elementwise passes, forward and backward (tools/bench_kernels.py; see
+#: sync_forward and sync_backward for the figures).
 KERNEL_MIN_ELEMENTS = 1 << 17
-#: ... if of these types. Not bfloat16: the backward's kernels round its two terms of dx to
-#: 8 bits apart (3.7e-2 against the 2e-2 its oracle allows); float16 keeps 11 bits (6.4e-4
-#: against 2e-3).
+#: ... if of these types. float16 takes them at any size: its passes hold float32 copies of the
+#: activation and its gradient across the all-reduce (the step's peak memory 1.29x the
+#: un-synced graph's at the default benchmark size on one machine, 1.27x at the large size on
+#: another; with the kernels 0.90x and 1.00x), and they cost no more time there. Not bfloat16:
+#: the backward's kernels round its two terms of dx to 8 bits apart (3.7e-2 against the 2e-2 its
+#: oracle allows); float16 keeps 11 bits (6.4e-4 against 2e-3).
 KERNEL_DTYPES = frozenset({DT_FLOAT, DT_HALF})
 
 
 def kernel_sized(graph: Graph, site: Site, activation: str) -> bool:
     """Whether a fused site's rewrite should use fused batch-norm kernels on `activation`
-    rather than elementwise passes: float32 or float16, channels last, on a CPU tower, and at
-    least KERNEL_MIN_ELEMENTS elements per tower by the graph's recorded static shape. GPU
+    rather than elementwise passes: channels last, on a CPU tower, and float16, or float32 of
+    at least KERNEL_MIN_ELEMENTS elements per tower by the graph's recorded static shape. GPU
     towers keep the passes: unmeasured there."""
-    elements = graph.static_elements(activation) if _kernel_kind(site) else None
+    if not _kernel_kind(site):
+        return False
+    if site.dtype == DT_HALF:
+        return True
+    elements = graph.static_elements(activation)
     return elements is not None and elements >= KERNEL_MIN_ELEMENTS
 
 
 def kernel_size_unknown(graph: Graph, site: Site) -> bool:
     """Whether a fused site could take the kernels but the graph records no static shape of
-    its input to tell (a GraphDef saved without `_output_shapes`)."""
-    return site.kind == "fused" and _kernel_kind(site) and graph.static_elements(graph.node(site.name).input[0]) is None
+    its input to tell (a float32 GraphDef saved without `_output_shapes`)."""
+    return (site.kind == "fused" and _kernel_kind(site) and site.dtype != DT_HALF
+            and graph.static_elements(graph.node(site.name).input[0]) is None)
 
 
 def _kernel_kind(site: Site) -> bool:

@@ -12,8 +12,8 @@ a reference variable's scale cannot overwrite it before dx has read it.
 A FusedBatchNormGrad alone cannot do this: it treats the batch statistics as its own.
 The gradient op is replaced by an IdentityN of the same name, so its consumers are unchanged.
 
-Where the activation is known to be large (float32 or float16, channels last, on a CPU tower,
-at least KERNEL_MIN_ELEMENTS elements per tower by its recorded static shape: see
+On a CPU tower with channels-last data in float16, or in float32 known to be large (at least
+KERNEL_MIN_ELEMENTS elements per tower by its recorded static shape: see
 bnrewrite.passes.sites), the same dx comes from two fused kernels instead of six elementwise
 passes: an inference-mode FusedBatchNormGradV3 fed the global moments gives scale*rstd*dy and
 both local sums in one pass over dy and x, and after the all-reduce an inference-mode
@@ -23,7 +23,7 @@ which one AddV2 adds. On 4 virtual CPUs the kernels take 1.4-2.4x as long as the
 run (tools/bench_kernels.py). The inference-mode gradient kernel takes channels-last data
 only. In float16 the kernels keep the step's peak memory at the un-synced graph's (the
 passes hold float32 copies of dy and x - mean across the all-reduce: 1.27x at the large
-benchmark size), at a price in rounding: the two terms of dx are rounded to float16 before
+benchmark size, 1.29x at the default one on another machine), at a price in rounding: the two terms of dx are rounded to float16 before
 they are added, and the float16 oracle's error goes from 1.3e-4 / 2.2e-4 to 6.4e-4 / 6.1e-4
 (K=2 / K=4), within its 2e-3. A training-mode local kernel fed the global moments would take
 the tower's own means off first and keep the correction small (3.6e-4 / 3.4e-4), but in

@@ -2,9 +2,9 @@
 
 The global moments come from `bnrewrite.statistics.global_moments` (one float64 all-reduce,
 Chan's combine) of each tower's local moments. Those come from elementwise passes (a sum, then
-the squared deviations from the local mean, summed) or, where the activation is known to be
-large (float32 or float16, channels last, on a CPU tower, at least KERNEL_MIN_ELEMENTS elements
-per tower by its recorded static shape: see bnrewrite.passes.sites), from a training-mode
+the squared deviations from the local mean, summed) or, on a CPU tower with channels-last
+data in float16, or in float32 known to be large (at least KERNEL_MIN_ELEMENTS elements per
+tower by its recorded static shape: see bnrewrite.passes.sites), from a training-mode
 FusedBatchNormV3 of x: its batch mean and Bessel-corrected variance, computed around the local
 mean as the passes do, whose y goes unused. The kernel reads x about as often as the passes
 and writes one tensor, as SquaredDifference does; on 4 virtual CPUs it takes 0.61-0.86 of the
