@@ -101,5 +101,4 @@ def _outputs(graph_def, init: str, feeds: dict, sites: list[str], k: int) -> lis
         tf1.import_graph_def(graph_def, name="")
     with tf1.Session(graph=graph, config=session_config(k)) as session:
         session.run(init)
-        got = session.run([[f"{site}:{j}" for j in range(3)] for site in sites], feeds)
-    return got
+        return session.run([[f"{site}:{j}" for j in range(3)] for site in sites], feeds)

@@ -23,9 +23,9 @@ which one AddV2 adds. On 4 virtual CPUs the kernels take 1.4-2.4x as long as the
 run (tools/bench_kernels.py). The inference-mode gradient kernel takes channels-last data
 only. In float16 the kernels keep the step's peak memory at the un-synced graph's (the
 passes hold float32 copies of dy and x - mean across the all-reduce: 1.27x at the large
-benchmark size, 1.29x at the default one on another machine), at a price in rounding: the two terms of dx are rounded to float16 before
-they are added, and the float16 oracle's error goes from 1.3e-4 / 2.2e-4 to 6.4e-4 / 6.1e-4
-(K=2 / K=4), within its 2e-3. A training-mode local kernel fed the global moments would take
+benchmark size, 1.29x at the default one on another machine), at a price in rounding: the
+two terms of dx are rounded to float16 before they are added, and the float16 oracle's error
+goes from 1.3e-4 / 2.2e-4 to 6.4e-4 / 6.1e-4 (K=2 / K=4), within its 2e-3. A training-mode local kernel fed the global moments would take
 the tower's own means off first and keep the correction small (3.6e-4 / 3.4e-4), but in
 float16 it takes twice as long as the inference mode on CPU (629 against 293 us per layer and
 tower at 1 M elements, tools/bench_kernels.py), and the un-synced graph's own gradient is that
