@@ -1,7 +1,8 @@
 """When a synced fused layer takes fused batch-norm kernels instead of elementwise passes:
 channels last, CPU towers, and float16, or float32 with an activation whose recorded static
 shape has at least KERNEL_MIN_ELEMENTS elements per tower (bnrewrite.passes.sites), for the
-local moments (sync_forward) and dx (sync_backward). Their float32 numbers are tested in
+local moments (sync_forward) and dx (sync_backward); float32 activations known to be smaller
+are also normalized by passes rather than by the op. Their float32 numbers are tested in
 test_fused_math.py (both paths), and here through the oracle in float32 and float16."""
 
 import numpy as np
@@ -69,6 +70,29 @@ def test_float16_channels_last_takes_the_kernels_at_any_size(why, graph):
     result = rewrite_graph(graph())
     assert len(kernel_moments(result.graph_def)) == len(kernel_gradients(result.graph_def)) == 2, why
     assert not [note for note in result.report.notes if "static shapes" in note], why
+
+
+SITE = "tower_0/FusedBatchNormV3"
+
+
+@pytest.mark.parametrize("why, graph, by_passes", [
+    ("float32 one element short", lambda: _towers(2, (2, 32, 64, 32 - 1)), True),
+    ("float32 at the threshold", lambda: _towers(2, LARGE), False),
+    ("no static shapes recorded", lambda: _towers(2, (2, 4, 4, 8)).as_graph_def(), False),
+    ("batch size unknown", lambda: _towers(2, (None, 4, 4, 8)), False),
+    ("channels first", lambda: _towers(2, (2, 8, 4, 4), data_format="NCHW"), False),
+    ("float16", lambda: _towers(2, (2, 4, 4, 8), dtype=tf.float16), False),
+])
+def test_small_float32_is_normalized_by_passes(why, graph, by_passes):
+    """Below the threshold, known from static shapes, the op gives way to an IdentityN of its
+    name fed (x - mean) * gain + offset; otherwise it stays, in inference mode."""
+    nodes = {n.name: n for n in rewrite_graph(graph()).graph_def.node}
+    site = nodes[SITE]
+    if by_passes:
+        assert site.op == "IdentityN" and nodes[site.input[0]].op == "AddV2", why
+        assert nodes[nodes[site.input[0]].input[0]].op == "Mul", why
+    else:
+        assert site.op == "FusedBatchNormV3" and not site.attr["is_training"].b, why
 
 
 #: As in test_oracle: float32 rounding, and float16's 11 bits of input and output.

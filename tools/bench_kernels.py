@@ -8,9 +8,12 @@ Each of K virtual CPU devices runs a chain of 40 computations on its own NHWC fl
 as training does), without the all-reduce, whose cost is the same for both forms:
 
 - forward, passes: the local moments as sum(x), then sum((x - mean)^2) (SquaredDifference), and
-  an inference-mode FusedBatchNormV3 normalizing x: what sync_forward builds otherwise;
+  x normalized as (x - mean) * gain + offset, then a ReLU: what sync_forward builds below the
+  threshold;
 - forward, kernels: the local moments from a training-mode FusedBatchNormV3 (whose y goes
-  unused), and the same normalization;
+  unused), and x normalized by an inference-mode FusedBatchNormV3 with the ReLU after it (which
+  Grappler fuses into it): what it builds above;
+- normalize: the normalizations of the two forms alone;
 - backward, passes: c = x - mean, sum(dy), sum(dy * c), then ((dy - a) - c * b) * gain: what
   sync_backward builds otherwise;
 - backward, kernels: an inference-mode FusedBatchNormGradV3 (gain * dy and both sums), an
@@ -43,16 +46,20 @@ CHAIN = 40
 def forward_passes(x: tf.Tensor, gain: tf.Tensor) -> tf.Tensor:
     mean = tf.reduce_sum(x, [0, 1, 2]) * (1.0 / np.prod(x.shape[:3]))
     m2 = tf.reduce_sum(tf.math.squared_difference(x, mean), [0, 1, 2])
-    return _normalize(x, gain, mean, m2)
+    return normalize_passes(x, gain, mean, m2)
 
 
 def forward_kernels(x: tf.Tensor, gain: tf.Tensor) -> tf.Tensor:
     _, mean, variance = tf1.nn.fused_batch_norm(x, gain, gain * 0.0, is_training=True)[:3]
-    return _normalize(x, gain, mean, variance)
+    return normalize_kernel(x, gain, mean, variance)
 
 
-def _normalize(x: tf.Tensor, gain: tf.Tensor, mean: tf.Tensor, variance: tf.Tensor) -> tf.Tensor:
-    return tf1.nn.fused_batch_norm(x, gain, mean, mean=mean, variance=variance * 1e-3, is_training=False)[0]
+def normalize_passes(x: tf.Tensor, gain: tf.Tensor, mean: tf.Tensor, variance: tf.Tensor) -> tf.Tensor:
+    return tf.nn.relu((x - mean) * (gain * tf.math.rsqrt(variance * 1e-3 + 1e-3)) + mean)
+
+
+def normalize_kernel(x: tf.Tensor, gain: tf.Tensor, mean: tf.Tensor, variance: tf.Tensor) -> tf.Tensor:
+    return tf.nn.relu(tf1.nn.fused_batch_norm(x, gain, mean, mean=mean, variance=variance * 1e-3, is_training=False)[0])
 
 
 def backward_passes(dy: tf.Tensor, x: tf.Tensor, mean: tf.Tensor, variance: tf.Tensor) -> tf.Tensor:
@@ -114,6 +121,8 @@ def measure(link: Callable[[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor], tf.Tens
 LINKS = (
     ("forward", lambda t, x, mean, variance: forward_passes(t, variance),
      lambda t, x, mean, variance: forward_kernels(t, variance)),
+    ("normalize", lambda t, x, mean, variance: normalize_passes(t, variance, mean, variance),
+     lambda t, x, mean, variance: normalize_kernel(t, variance, mean, variance)),
     ("backward", backward_passes, backward_kernels),
 )
 
@@ -124,14 +133,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default="8x16x16x32,8x16x16x64,16x32x32x32,16x32x32x64")
     args = parser.parse_args(argv)
     print(f"K={args.towers} virtual CPU devices ({os.cpu_count()} cores); µs per layer and tower")
-    print(f"{'':>8} {'shape':>14} {'elements':>9} {'passes wall':>12} {'CPU':>7} {'kernels wall':>13} {'CPU':>7} "
+    print(f"{'':>9} {'shape':>14} {'elements':>9} {'passes wall':>12} {'CPU':>7} {'kernels wall':>13} {'CPU':>7} "
           f"{'kernels/passes':>15}")
     for direction, passes, kernels in LINKS:
         for text in args.shapes.split(","):
             shape = [int(d) for d in text.split("x")]
             p_wall, p_cpu = measure(passes, shape, args.towers)
             k_wall, k_cpu = measure(kernels, shape, args.towers)
-            print(f"{direction:>8} {text:>14} {int(np.prod(shape)):>9} {p_wall * 1e6:>12.1f} {p_cpu * 1e6:>7.1f} "
+            print(f"{direction:>9} {text:>14} {int(np.prod(shape)):>9} {p_wall * 1e6:>12.1f} {p_cpu * 1e6:>7.1f} "
                   f"{k_wall * 1e6:>13.1f} {k_cpu * 1e6:>7.1f} {k_wall / p_wall:>15.2f}")
     print(f"\ngradient kernel alone; µs per layer and tower\n{'dtype':>8} {'shape':>14} {'training wall':>14} {'CPU':>7} "
           f"{'inference wall':>15} {'CPU':>7} {'inference/training':>19}")

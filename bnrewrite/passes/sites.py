@@ -58,8 +58,9 @@ def statistics_node(site: str) -> str:
 
 
 #: float32 activations of at least this many elements per tower take fused batch-norm kernels
-#: instead of elementwise passes, forward and backward (tools/bench_kernels.py; see
-#: sync_forward and sync_backward for the figures).
+#: instead of elementwise passes for the local moments and dx; those known to be smaller are
+#: normalized by passes too (tools/bench_kernels.py; see sync_forward and sync_backward for the
+#: figures).
 KERNEL_MIN_ELEMENTS = 1 << 17
 #: ... if of these types. float16 takes them at any size: its passes hold float32 copies of the
 #: activation and its gradient across the all-reduce (the step's peak memory 1.29x the
@@ -81,6 +82,14 @@ def kernel_sized(graph: Graph, site: Site, activation: str) -> bool:
         return True
     elements = graph.static_elements(activation)
     return elements is not None and elements >= KERNEL_MIN_ELEMENTS
+
+
+def passes_sized(graph: Graph, site: Site, activation: str) -> bool:
+    """Whether a fused float32 site's activation is known to be below KERNEL_MIN_ELEMENTS per
+    tower on a channels-last CPU tower: small enough for elementwise passes to normalize it too
+    (see sync_forward). Unknown sizes keep the kernel: passes cost 1.5-1.7 x as much at 512 K."""
+    elements = graph.static_elements(activation)
+    return site.dtype == DT_FLOAT and _kernel_kind(site) and elements is not None and elements < KERNEL_MIN_ELEMENTS
 
 
 def kernel_size_unknown(graph: Graph, site: Site) -> bool:

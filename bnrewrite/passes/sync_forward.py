@@ -29,6 +29,12 @@ Where exponential_avg_factor is not 1 (outputs 1 and 2 are then blends, which an
 inference-mode op cannot pass on) and inside function bodies (whose return values name the
 op's outputs), the op is replaced by an IdentityN of the same name instead, with y from an
 inference-mode op beside it and outputs 1-5 as above.
+Float32 channels-last activations on CPU towers that the recorded static shape shows to be
+below KERNEL_MIN_ELEMENTS per tower get the IdentityN too, with y from three elementwise passes
+and the ReLU after it left an op of its own: oneDNN's batch-norm kernel costs a near-fixed
+~40 us a call, so at 64 K elements per tower the passes and the ReLU take 0.43 of the
+inference-mode kernel's time with its ReLU fused, at 128 K 1.0-1.14 x and at 512 K 1.5-1.7 x as
+long (tools/bench_kernels.py, 4 virtual CPUs).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from bnrewrite.graph import Graph, tensor_name
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_DOUBLE, DT_FLOAT, MARK, Builder, DType, identity_n, set_attr
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sites import SiteContext, each_site, kernel_sized, statistics_node
+from bnrewrite.passes.sites import SiteContext, each_site, kernel_sized, passes_sized, statistics_node
 from bnrewrite.plan import Plan
 from bnrewrite.statistics import Local, centred_moments, global_moments
 
@@ -80,7 +86,8 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     statistics = [b.cast(f"out_{i}", t, F, U) for i, t in enumerate((batch_mean, batch_var, mean, rstd))]
     if site.op == "FusedBatchNormV3":  # reserve_space_3: the global count, so gradients need not count again
         statistics.append(b.cast("count_u", b.cast("count_float", moments.count, DT_DOUBLE, F), F, U))
-    if site.avg_factor == 1.0 and not in_body(site.name):
+    small = passes_sized(ctx.graph, site, x)
+    if site.avg_factor == 1.0 and not in_body(site.name) and not small:
         # The op stays, in inference mode, fed the global mean and Bessel-corrected variance
         # (its outputs 1 and 2 pass them on, as the training op gave them) and a scale that
         # makes up for the latter.
@@ -91,10 +98,19 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
         editor.replace(_marked(site.op, site.name, inputs + controls, node.device, key, norm_attrs))
         _move_statistics(ctx, site.name, statistics + controls, U)
     else:
-        y = b.node(site.op, "normalize", [x, scale, offset, b.cast("mean_u", mean, F, U), b.cast("variance_u", var, F, U)], **norm_attrs)
+        y = (_normalize_by_passes(b, x, scale, offset, mean, rstd, U) if small else
+             b.node(site.op, "normalize", [x, scale, offset, b.cast("mean_u", mean, F, U), b.cast("variance_u", var, F, U)], **norm_attrs))
         editor.replace(identity_n(site.name, [y, *statistics, *controls], [T] + [U] * len(statistics), node.device, key))
     ctx.record.replaced.append(site.name)
     ctx.record.collectives.append(moments.collective)
+
+
+def _normalize_by_passes(b: Builder, x: str, scale: str, offset: str, mean: str, rstd: str, U: int) -> str:
+    """(x - mean) * (scale * rstd) + offset for float32 channels-last x: three passes, centred
+    first as the fused op does (x * a + b would cancel at a large |mean|/std)."""
+    gain = b.binary("Mul", "gain", b.cast("scale_f", scale, U, F), rstd, F)
+    scaled = b.binary("Mul", "scaled", b.binary("Sub", "centred", x, mean, F), gain, F)
+    return b.binary("AddV2", "normalize", scaled, b.cast("offset_f", offset, U, F), F)
 
 
 def _marked(op: str, name: str, inputs: list[str], device: str, key: str, attrs: dict[str, object]) -> NodeDef:
