@@ -33,7 +33,7 @@ Float32 channels-last activations on CPU towers that the recorded static shape s
 below KERNEL_MIN_ELEMENTS per tower get the IdentityN too, with y from three elementwise passes
 and the ReLU after it left an op of its own: oneDNN's batch-norm kernel costs a near-fixed
 ~40 us a call, so at 64 K elements per tower the passes and the ReLU take 0.43 of the
-inference-mode kernel's time with its ReLU fused, at 128 K 1.0-1.14 x and at 512 K 1.5-1.7 x as
+inference-mode kernel's time with its ReLU fused, at 128 K 0.96-1.14 x and at 512 K 1.5-1.7 x as
 long (tools/bench_kernels.py, 4 virtual CPUs).
 """
 
