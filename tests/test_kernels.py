@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from bnrewrite import rewrite_graph
-from bnrewrite.passes.sites import KERNEL_MIN_ELEMENTS
+from bnrewrite.passes.sites import DEVIATIONS_ATTR, KERNEL_MIN_ELEMENTS
 from models import (Spec, build_reference, build_towers, kernel_gradients, kernel_moments, make_batches, max_rel_error,
                     train, use_kernels)
 
@@ -85,14 +85,25 @@ SITE = "tower_0/FusedBatchNormV3"
 ])
 def test_small_float32_is_normalized_by_passes(why, graph, by_passes):
     """Below the threshold, known from static shapes, the op gives way to an IdentityN of its
-    name fed (x - mean) * gain + offset; otherwise it stays, in inference mode."""
+    name fed deviations * gain + bias, the deviations of x from the tower's mean, which it also
+    passes on with the shift for the gradient to read instead of x; otherwise the op stays, in
+    inference mode, and the gradient reads x."""
     nodes = {n.name: n for n in rewrite_graph(graph()).graph_def.node}
     site = nodes[SITE]
+    x = "tower_0/x"
+    grad_reads_x = any(x in n.input for n in nodes.values() if "FusedBatchNormV3_grad/" in n.name)
     if by_passes:
         assert site.op == "IdentityN" and nodes[site.input[0]].op == "AddV2", why
-        assert nodes[nodes[site.input[0]].input[0]].op == "Mul", why
+        scaled = nodes[nodes[site.input[0]].input[0]]
+        index = site.attr[DEVIATIONS_ATTR].i
+        deviations, shift = nodes[site.input[index]], nodes[site.input[index + 1]]
+        assert scaled.op == "Mul" and scaled.input[0] == deviations.name, why
+        assert deviations.op == "Sub" and deviations.input[0] == x and shift.op == "Sub", why
+        assert f"{SITE}:{index}" in nodes["tower_0/gradients/tower_0/FusedBatchNormV3_grad/sync_bn_grad/dy_deviations"].input
+        assert not grad_reads_x, why
     else:
         assert site.op == "FusedBatchNormV3" and not site.attr["is_training"].b, why
+        assert DEVIATIONS_ATTR not in site.attr and grad_reads_x, why
 
 
 #: As in test_oracle: float32 rounding, and float16's 11 bits of input and output.

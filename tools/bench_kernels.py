@@ -7,15 +7,16 @@ Each of K virtual CPU devices runs a chain of 40 computations on its own NHWC fl
 (the chains are independent, as towers between two all-reduces are; K > cores shares the cores
 as training does), without the all-reduce, whose cost is the same for both forms:
 
-- forward, passes: the local moments as sum(x), then sum((x - mean)^2) (SquaredDifference), and
-  x normalized as (x - mean) * gain + offset, then a ReLU: what sync_forward builds below the
-  threshold;
+- forward, passes: the local moments as sum(x), then the deviations d = x - mean, squared and
+  summed, and x normalized as d * gain + (offset - shift * gain), then a ReLU: what sync_forward
+  builds below the threshold;
 - forward, kernels: the local moments from a training-mode FusedBatchNormV3 (whose y goes
   unused), and x normalized by an inference-mode FusedBatchNormV3 with the ReLU after it (which
   Grappler fuses into it): what it builds above;
-- normalize: the normalizations of the two forms alone;
-- backward, passes: c = x - mean, sum(dy), sum(dy * c), then ((dy - a) - c * b) * gain: what
-  sync_backward builds otherwise;
+- normalize: the normalizations of the two forms alone (the passes' from the deviations, the
+  kernel's from x);
+- backward, passes: given the forward's deviations d and shift, sum(dy), sum(dy * d) - shift *
+  sum(dy), then (dy - d * b + c) * gain: what sync_backward builds below the threshold;
 - backward, kernels: an inference-mode FusedBatchNormGradV3 (gain * dy and both sums), an
   inference-mode FusedBatchNormV3 of x (the correction) and an AddV2.
 
@@ -45,8 +46,9 @@ CHAIN = 40
 
 def forward_passes(x: tf.Tensor, gain: tf.Tensor) -> tf.Tensor:
     mean = tf.reduce_sum(x, [0, 1, 2]) * (1.0 / np.prod(x.shape[:3]))
-    m2 = tf.reduce_sum(tf.math.squared_difference(x, mean), [0, 1, 2])
-    return normalize_passes(x, gain, mean, m2)
+    deviations = x - mean
+    m2 = tf.reduce_sum(tf.math.square(deviations), [0, 1, 2])
+    return normalize_passes(deviations, gain, mean * 1e-3, m2)
 
 
 def forward_kernels(x: tf.Tensor, gain: tf.Tensor) -> tf.Tensor:
@@ -54,18 +56,20 @@ def forward_kernels(x: tf.Tensor, gain: tf.Tensor) -> tf.Tensor:
     return normalize_kernel(x, gain, mean, variance)
 
 
-def normalize_passes(x: tf.Tensor, gain: tf.Tensor, mean: tf.Tensor, variance: tf.Tensor) -> tf.Tensor:
-    return tf.nn.relu((x - mean) * (gain * tf.math.rsqrt(variance * 1e-3 + 1e-3)) + mean)
+def normalize_passes(deviations: tf.Tensor, gain: tf.Tensor, shift: tf.Tensor, variance: tf.Tensor) -> tf.Tensor:
+    scale = gain * tf.math.rsqrt(variance * 1e-3 + 1e-3)
+    return tf.nn.relu(deviations * scale + (gain - shift * scale))
 
 
 def normalize_kernel(x: tf.Tensor, gain: tf.Tensor, mean: tf.Tensor, variance: tf.Tensor) -> tf.Tensor:
     return tf.nn.relu(tf1.nn.fused_batch_norm(x, gain, mean, mean=mean, variance=variance * 1e-3, is_training=False)[0])
 
 
-def backward_passes(dy: tf.Tensor, x: tf.Tensor, mean: tf.Tensor, variance: tf.Tensor) -> tf.Tensor:
-    centred = x - mean
-    sum_dy, sum_dy_xc = tf.reduce_sum(dy, [0, 1, 2]), tf.reduce_sum(dy * centred, [0, 1, 2])
-    return ((dy - sum_dy * 1e-3) - centred * (sum_dy_xc * 1e-3)) * variance
+def backward_passes(dy: tf.Tensor, deviations: tf.Tensor, shift: tf.Tensor, variance: tf.Tensor) -> tf.Tensor:
+    sum_dy = tf.reduce_sum(dy, [0, 1, 2])
+    sum_dy_xc = tf.reduce_sum(dy * deviations, [0, 1, 2]) - shift * sum_dy
+    projection = sum_dy_xc * 1e-3
+    return (dy - deviations * projection + (shift * projection - sum_dy * 1e-3)) * variance
 
 
 def backward_kernels(dy: tf.Tensor, x: tf.Tensor, mean: tf.Tensor, variance: tf.Tensor) -> tf.Tensor:

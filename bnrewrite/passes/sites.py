@@ -6,7 +6,8 @@ import posixpath
 from dataclasses import dataclass
 from typing import Callable
 
-from bnrewrite.graph import Editor, Graph
+from bnrewrite.functions import in_body
+from bnrewrite.graph import Editor, Graph, tensor_name
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_FLOAT, DT_HALF, Builder, Shared
 from bnrewrite.passes.record import PassRecord
@@ -55,6 +56,23 @@ def statistics_node(site: str) -> str:
     """Where sync_forward puts a fused site's outputs 1-5 when the op itself stays to
     normalize: sync_backward finds the global count there."""
     return f"{site}/statistics"
+
+
+#: Attribute of the IdentityN that replaces a fused site normalized by passes (sync_forward):
+#: the index of its output carrying x's deviations from the tower's own mean; the next output is
+#: the global mean minus that mean. Its gradients read these instead of taking deviations again.
+DEVIATIONS_ATTR = "_bnrewrite_deviations"
+
+
+def deviations(graph: Graph, site: Site) -> tuple[str, str] | None:
+    """(deviations, shift) that sync_forward left on `site`, if any, for its gradients (which
+    read the op's x: matching makes sure). Not inside function bodies: a gradient's body
+    reaches the forward's tensors only through its arguments."""
+    node = graph.node(site.name)
+    if DEVIATIONS_ATTR not in node.attr or in_body(site.name):
+        return None
+    index = node.attr[DEVIATIONS_ATTR].i
+    return tensor_name(site.name, index), tensor_name(site.name, index + 1)
 
 
 #: float32 activations of at least this many elements per tower take fused batch-norm kernels

@@ -5,6 +5,9 @@ With x_hat = (x - mean) * rstd over the global batch of N examples,
 where both sums run over every tower. Each tower sums dy and dy*(x - mean) locally, one
 all-reduce adds them up, and the rest is elementwise. N comes from the forward pass through
 reserve_space_3 (FusedBatchNormV3); for the older ops the all-reduce carries the counts too.
+Where sync_forward normalized by passes, x - mean is the deviations from the tower's own mean
+it left on the forward op minus the shift beside them (bnrewrite.passes.sites.deviations):
+sum(dy*(x - mean)) = sum(dy*deviations) - shift*sum(dy), and x is not read again.
 d(scale) and d(offset) stay tower-local: the graph already averages them across towers, and
 since every tower's dy is K times its share of the averaged loss, that average is exact;
 they wait for dx (control edges), as inside the fused kernel, so that an optimizer's update of
@@ -44,7 +47,7 @@ from bnrewrite.graph import Graph, parse_input
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_FLOAT, Builder, DType, identity_n
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sites import SiteContext, each_site, kernel_sized, statistics_node
+from bnrewrite.passes.sites import SiteContext, deviations, each_site, kernel_sized, statistics_node
 from bnrewrite.plan import Plan
 
 F = DT_FLOAT
@@ -77,12 +80,19 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     shape = site.channel_shape
 
     dyf = b.cast("dy_float", dy, T, F)
-    xf = b.cast("x_float", x, T, F)
-    mean = b.cast("mean", saved_mean, U, F)
     rstd = b.cast("rstd", saved_rstd, U, F)
-    centred = b.binary("Sub", "centred", xf, b.per_channel("mean_b", mean, shape, F), F)
     sum_dy = b.reduce_sum("sum_dy", dyf, axes, F, False)
-    sum_dy_xc = b.reduce_sum("sum_dy_xc", b.binary("Mul", "dy_xc", dyf, centred, F), axes, F, False)
+    from_forward = deviations(ctx.graph, site)
+    if from_forward is None:
+        mean = b.cast("mean", saved_mean, U, F)
+        centred, shift = b.binary("Sub", "centred", b.cast("x_float", x, T, F), b.per_channel("mean_b", mean, shape, F), F), ""
+        sum_dy_xc = b.reduce_sum("sum_dy_xc", b.binary("Mul", "dy_xc", dyf, centred, F), axes, F, False)
+    else:
+        # x - mean = centred - shift: deviations from the tower's own mean, minus the global
+        # mean's offset from it.
+        centred, shift = from_forward
+        sum_dy_dev = b.reduce_sum("sum_dy_deviations", b.binary("Mul", "dy_deviations", dyf, centred, F), axes, F, False)
+        sum_dy_xc = b.binary("Sub", "sum_dy_xc", sum_dy_dev, b.binary("Mul", "shift_sum_dy", shift, sum_dy, F), F)
     collective = ctx.plan.collective(ctx.layer, phase, ctx.tower)
     if counted is not None:
         reduce_name = all_reduce(b, "all_reduce", b.concat("sums", [sum_dy, sum_dy_xc], F), F, collective)
@@ -97,11 +107,12 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     rstd_sq = b.binary("Mul", "rstd_sq", rstd, rstd, F)
     proj = b.binary("DivNoNan", "projection", b.binary("Mul", "dy_xc_rstd_sq", gsum_dy_xc, rstd_sq, F), total, F)
     gain = b.binary("Mul", "gain", b.cast("scale", scale, U, F), rstd, F)
+    # dy - mean_dy - (x - mean) * proj = dy - centred * proj + (shift * proj - mean_dy)
+    constant = b.binary("Sub", "shift_proj_minus_mean_dy", b.binary("Mul", "shift_proj", shift, proj, F), mean_dy, F) if shift else b.unary("Neg", "minus_mean_dy", mean_dy, F)
     inner = b.binary(
-        "Sub", "dy_minus_proj",
-        b.binary("Sub", "dy_minus_mean", dyf, b.per_channel("mean_dy_b", mean_dy, shape, F), F),
-        b.binary("Mul", "xc_proj", centred, b.per_channel("projection_b", proj, shape, F), F),
-        F,
+        "AddV2", "dy_minus_proj",
+        b.binary("Sub", "dy_minus_xc_proj", dyf, b.binary("Mul", "xc_proj", centred, b.per_channel("projection_b", proj, shape, F), F), F),
+        b.per_channel("constant_b", constant, shape, F), F,
     )
     dx = b.cast("dx", b.binary("Mul", "dx_float", inner, b.per_channel("gain_b", gain, shape, F), F), F, T)
     dscale = b.cast("dscale_stat", b.binary("Mul", "dscale_float", sum_dy_xc, rstd, F), F, U)

@@ -2,7 +2,7 @@
 
 The global moments come from `bnrewrite.statistics.global_moments` (one float64 all-reduce,
 Chan's combine) of each tower's local moments. Those come from elementwise passes (a sum, then
-the squared deviations from the local mean, summed) or, on a CPU tower with channels-last
+the deviations from the local mean, squared and summed) or, on a CPU tower with channels-last
 data in float16, or in float32 known to be large (at least KERNEL_MIN_ELEMENTS elements per
 tower by its recorded static shape: see bnrewrite.passes.sites), from a training-mode
 FusedBatchNormV3 of x: its batch mean and Bessel-corrected variance, computed around the local
@@ -30,11 +30,17 @@ inference-mode op cannot pass on) and inside function bodies (whose return value
 op's outputs), the op is replaced by an IdentityN of the same name instead, with y from an
 inference-mode op beside it and outputs 1-5 as above.
 Float32 channels-last activations on CPU towers that the recorded static shape shows to be
-below KERNEL_MIN_ELEMENTS per tower get the IdentityN too, with y from three elementwise passes
+below KERNEL_MIN_ELEMENTS per tower get the IdentityN too, with y from elementwise passes
 and the ReLU after it left an op of its own: oneDNN's batch-norm kernel costs a near-fixed
 ~40 us a call, so at 64 K elements per tower the passes and the ReLU take 0.43 of the
 inference-mode kernel's time with its ReLU fused, at 128 K 0.96-1.14 x and at 512 K 1.5-1.7 x as
-long (tools/bench_kernels.py, 4 virtual CPUs).
+long (tools/bench_kernels.py, 4 virtual CPUs). y comes from the deviations of x from the
+tower's own mean that the local moments squared: deviations * gain + (offset - shift * gain),
+with shift the global mean minus the local one, two passes where (x - mean) * gain + offset
+takes three. The IdentityN passes the deviations and the shift on as two more outputs
+(DEVIATIONS_ATTR names the first), and sync_backward takes its gradient from them instead of
+reading x again: x's deviations from the global mean are deviations - shift. One pass less
+per layer forward; the step 1.073 vs 1.101 x un-synced in one A/B run (tools/bench_step.py).
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from bnrewrite.graph import Graph, tensor_name
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_DOUBLE, DT_FLOAT, MARK, Builder, DType, identity_n, set_attr
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sites import SiteContext, each_site, kernel_sized, passes_sized, statistics_node
+from bnrewrite.passes.sites import DEVIATIONS_ATTR, SiteContext, each_site, kernel_sized, passes_sized, statistics_node
 from bnrewrite.plan import Plan
 from bnrewrite.statistics import Local, centred_moments, global_moments
 
@@ -66,10 +72,11 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     controls = [i for i in node.input if i.startswith("^")]
     b = ctx.builder(site.name, "sync_bn", node.device)
     T, U = site.dtype, site.stat_dtype
+    deviations = ""
     if kernel_sized(ctx.graph, site, x):
         local = _kernel_moments(b, x, scale, offset, site)
     else:
-        local = centred_moments(b, x, T, site.reduce_axes, site.channel_shape)[0]
+        local, _, deviations = centred_moments(b, x, T, site.reduce_axes, site.channel_shape)
     moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower))
     mean, var = moments.mean, moments.variance
     eps = b.const("epsilon", site.epsilon, np.float32)
@@ -97,20 +104,28 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
         inputs = [x, b.cast("scale_u", scale_fed, F, U), offset, b.cast("mean_u", mean, F, U), b.cast("variance_u", fed_var, F, U)]
         editor.replace(_marked(site.op, site.name, inputs + controls, node.device, key, norm_attrs))
         _move_statistics(ctx, site.name, statistics + controls, U)
+    elif small:
+        # Normalized from the deviations the local moments took: the gradient reads them too.
+        shift = b.binary("Sub", "shift", mean, local.mean, F)
+        y = _normalize_by_passes(b, deviations, scale, offset, shift, rstd, U)
+        replaced = identity_n(site.name, [y, *statistics, deviations, shift, *controls], [T] + [U] * len(statistics) + [F, F], node.device, key)
+        set_attr(replaced, DEVIATIONS_ATTR, len(statistics) + 1)
+        editor.replace(replaced)
     else:
-        y = (_normalize_by_passes(b, x, scale, offset, mean, rstd, U) if small else
-             b.node(site.op, "normalize", [x, scale, offset, b.cast("mean_u", mean, F, U), b.cast("variance_u", var, F, U)], **norm_attrs))
+        y = b.node(site.op, "normalize", [x, scale, offset, b.cast("mean_u", mean, F, U), b.cast("variance_u", var, F, U)], **norm_attrs)
         editor.replace(identity_n(site.name, [y, *statistics, *controls], [T] + [U] * len(statistics), node.device, key))
     ctx.record.replaced.append(site.name)
     ctx.record.collectives.append(moments.collective)
 
 
-def _normalize_by_passes(b: Builder, x: str, scale: str, offset: str, mean: str, rstd: str, U: int) -> str:
-    """(x - mean) * (scale * rstd) + offset for float32 channels-last x: three passes, centred
-    first as the fused op does (x * a + b would cancel at a large |mean|/std)."""
+def _normalize_by_passes(b: Builder, deviations: str, scale: str, offset: str, shift: str, rstd: str, U: int) -> str:
+    """(x - mean) * gain + offset as deviations * gain + (offset - shift * gain), where the
+    deviations are x's from the tower's own mean and `shift` the global mean minus that:
+    two passes over float32 channels-last data, both terms centred (x * a + b would cancel at a
+    large |mean|/std)."""
     gain = b.binary("Mul", "gain", b.cast("scale_f", scale, U, F), rstd, F)
-    scaled = b.binary("Mul", "scaled", b.binary("Sub", "centred", x, mean, F), gain, F)
-    return b.binary("AddV2", "normalize", scaled, b.cast("offset_f", offset, U, F), F)
+    bias = b.binary("Sub", "bias", b.cast("offset_f", offset, U, F), b.binary("Mul", "shift_gain", shift, gain, F), F)
+    return b.binary("AddV2", "normalize", b.binary("Mul", "scaled", deviations, gain, F), bias, F)
 
 
 def _marked(op: str, name: str, inputs: list[str], device: str, key: str, attrs: dict[str, object]) -> NodeDef:

@@ -28,7 +28,7 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     graph, editor = ctx.graph, ctx.editor
     node = graph.node(site.name)
     b = ctx.builder(site.name, "sync_moments", node.device)
-    local, local_sum = centred_moments(b, node.input[0], site.dtype, site.reduce_axes, None)
+    local, local_sum, _ = centred_moments(b, node.input[0], site.dtype, site.reduce_axes, None)
     moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower))
     shape = b.node("Shape", "keep_dims_shape", [local_sum], T=DType(F), out_type=DType(DT_INT32))
     for name, value in ((site.name, moments.mean), (site.variance, moments.variance)):
