@@ -43,10 +43,12 @@ class Moments:
     variance_unbiased: str  # M2 / (N - 1)
 
 
-def centred_moments(b: Builder, x: str, dtype: int, axes: list[int], broadcast: list[int] | None) -> tuple[Local, str, str]:
-    """This tower's moments of x over `axes` by elementwise passes: a sum, then the deviations
-    from the local mean, squared and summed; also returns the local sum and the deviations
-    (float32, x's shape), from which a fused site's rewrite normalizes and takes gradients.
+def centred_moments(b: Builder, x: str, dtype: int, axes: list[int], broadcast: list[int] | None,
+                    keep_deviations: bool = False) -> tuple[Local, str, str]:
+    """This tower's moments of x over `axes` by elementwise passes: a sum, then the squared
+    deviations from the local mean, summed; also returns the local sum, and with
+    `keep_deviations` the deviations themselves (float32, x's shape: a Sub, then a Square,
+    for sync_forward to normalize from), else "" (one SquaredDifference: one kernel on a GPU).
 
     `broadcast` is, for a per-channel reduction (fused sites), the shape that lines a [C]
     vector up with x, empty when it lines up as it is (channels last): sums then come out
@@ -60,8 +62,12 @@ def centred_moments(b: Builder, x: str, dtype: int, axes: list[int], broadcast: 
     local_sum = b.reduce_sum("local_sum", xf, axes_const, F, keep_dims)
     local_mean = b.binary("DivNoNan", "local_mean", local_sum, b.cast("count_float", n, D, F), F)
     centre = local_mean if keep_dims else b.per_channel("local_mean_b", local_mean, broadcast, F)
-    deviations = b.binary("Sub", "deviations", xf, centre, F)
-    m2 = b.reduce_sum("local_m2", b.unary("Square", "squared", deviations, F), axes_const, F, keep_dims)
+    if keep_deviations:
+        deviations = b.binary("Sub", "deviations", xf, centre, F)
+        squared = b.unary("Square", "squared", deviations, F)
+    else:
+        deviations, squared = "", b.binary("SquaredDifference", "squared", xf, centre, F)
+    m2 = b.reduce_sum("local_m2", squared, axes_const, F, keep_dims)
     if keep_dims:
         flat = b.const("flat", [-1])
         local_mean, m2 = b.reshape("local_mean_flat", local_mean, flat, F), b.reshape("local_m2_flat", m2, flat, F)

@@ -107,13 +107,13 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     rstd_sq = b.binary("Mul", "rstd_sq", rstd, rstd, F)
     proj = b.binary("DivNoNan", "projection", b.binary("Mul", "dy_xc_rstd_sq", gsum_dy_xc, rstd_sq, F), total, F)
     gain = b.binary("Mul", "gain", b.cast("scale", scale, U, F), rstd, F)
-    # dy - mean_dy - (x - mean) * proj = dy - centred * proj + (shift * proj - mean_dy)
-    constant = b.binary("Sub", "shift_proj_minus_mean_dy", b.binary("Mul", "shift_proj", shift, proj, F), mean_dy, F) if shift else b.unary("Neg", "minus_mean_dy", mean_dy, F)
-    inner = b.binary(
-        "AddV2", "dy_minus_proj",
-        b.binary("Sub", "dy_minus_xc_proj", dyf, b.binary("Mul", "xc_proj", centred, b.per_channel("projection_b", proj, shape, F), F), F),
-        b.per_channel("constant_b", constant, shape, F), F,
-    )
+    # dy - mean_dy - (x - mean) * proj, with x - mean = centred - shift
+    dy_minus_xc_proj = b.binary("Sub", "dy_minus_xc_proj", dyf, b.binary("Mul", "xc_proj", centred, b.per_channel("projection_b", proj, shape, F), F), F)
+    if shift:
+        constant = b.binary("Sub", "shift_proj_minus_mean_dy", b.binary("Mul", "shift_proj", shift, proj, F), mean_dy, F)
+        inner = b.binary("AddV2", "dy_minus_proj", dy_minus_xc_proj, constant, F)
+    else:
+        inner = b.binary("Sub", "dy_minus_proj", dy_minus_xc_proj, b.per_channel("mean_dy_b", mean_dy, shape, F), F)
     dx = b.cast("dx", b.binary("Mul", "dx_float", inner, b.per_channel("gain_b", gain, shape, F), F), F, T)
     dscale = b.cast("dscale_stat", b.binary("Mul", "dscale_float", sum_dy_xc, rstd, F), F, U)
     _replace(grad, b, dx, dscale, b.cast("doffset_stat", sum_dy, F, U), controls, site, ctx)

@@ -72,11 +72,11 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     controls = [i for i in node.input if i.startswith("^")]
     b = ctx.builder(site.name, "sync_bn", node.device)
     T, U = site.dtype, site.stat_dtype
-    deviations = ""
+    small, deviations = passes_sized(ctx.graph, site, x), ""
     if kernel_sized(ctx.graph, site, x):
         local = _kernel_moments(b, x, scale, offset, site)
     else:
-        local, _, deviations = centred_moments(b, x, T, site.reduce_axes, site.channel_shape)
+        local, _, deviations = centred_moments(b, x, T, site.reduce_axes, site.channel_shape, keep_deviations=small)
     moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower))
     mean, var = moments.mean, moments.variance
     eps = b.const("epsilon", site.epsilon, np.float32)
@@ -93,7 +93,6 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     statistics = [b.cast(f"out_{i}", t, F, U) for i, t in enumerate((batch_mean, batch_var, mean, rstd))]
     if site.op == "FusedBatchNormV3":  # reserve_space_3: the global count, so gradients need not count again
         statistics.append(b.cast("count_u", b.cast("count_float", moments.count, DT_DOUBLE, F), F, U))
-    small = passes_sized(ctx.graph, site, x)
     if site.avg_factor == 1.0 and not in_body(site.name) and not small:
         # The op stays, in inference mode, fed the global mean and Bessel-corrected variance
         # (its outputs 1 and 2 pass them on, as the training op gave them) and a scale that
