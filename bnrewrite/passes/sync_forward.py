@@ -32,12 +32,12 @@ inference-mode op beside it and outputs 1-5 as above.
 Float32 channels-last activations on CPU towers that the recorded static shape shows to be
 below KERNEL_MIN_ELEMENTS per tower get the IdentityN too, with y from elementwise passes
 and the ReLU after it left an op of its own: oneDNN's batch-norm kernel costs a near-fixed
-~40 us a call, so at 64 K elements per tower the passes and the ReLU take 0.43 of the
-inference-mode kernel's time with its ReLU fused, at 128 K 0.96-1.14 x and at 512 K 1.5-1.7 x as
-long (tools/bench_kernels.py, 4 virtual CPUs). y comes from the deviations of x from the
-tower's own mean that the local moments squared: deviations * gain + (offset - shift * gain),
-with shift the global mean minus the local one, two passes where (x - mean) * gain + offset
-takes three. The IdentityN passes the deviations and the shift on as two more outputs
+~40 us a call. y comes from the deviations of x from the tower's own mean that the local
+moments squared: deviations * gain + (offset - shift * gain), with shift the global mean minus
+the local one, two passes where (x - mean) * gain + offset takes three; at 64 K elements per
+tower they and the ReLU take 0.51 of the inference-mode kernel's time with its ReLU fused, at
+128 K 0.85 (tools/bench_kernels.py, 4 virtual CPUs, one run). Above the threshold the local moments come from the kernel, which leaves no
+deviations to start from. The IdentityN passes the deviations and the shift on as two more outputs
 (DEVIATIONS_ATTR names the first), and sync_backward takes its gradient from them instead of
 reading x again: x's deviations from the global mean are deviations - shift. One pass less
 per layer forward; the step 1.073 vs 1.101 x un-synced in one A/B run (tools/bench_step.py).
