@@ -1,13 +1,13 @@
 """Every tower issues its all-reduces in one and the same order.
 
-Collectives that meet by keys across workers can hang when two devices launch them in
-different orders (NCCL requires one order per communicator), and the executor is free to run
-independent ops in any order. Within one process TensorFlow's NcclAllReduce cannot: it
-enqueues an all-reduce on every device's stream only once all its local participants have
-arrived, one at a time; its all-reduces are chained all the same. The order of the first tower's all-reduces in a
-topological sort is taken as the order for all, and each tower's all-reduces are chained
-with control edges in that order. Towers are replicas, so the chain respects every tower's
-data dependencies; if it did not, validation after this pass reports the cycle.
+Collectives that meet by keys across workers can hang when two devices launch them in different
+orders (NCCL requires one order per communicator), and the executor is free to run independent
+ops in any order. Within one process TensorFlow's NcclAllReduce cannot: it enqueues an
+all-reduce on every device's stream only once all its local participants have arrived, one at a
+time; its all-reduces are chained all the same. The order of the first tower's all-reduces in a
+topological sort is taken as the order for all, and each tower's all-reduces are chained with
+control edges in that order. Towers are replicas, so the chain respects every tower's data
+dependencies; if it did not, validation after this pass reports the cycle.
 
 Under v1 conditionals (Switch/Merge) an op with a dead control input is dead itself, so
 all-reduces are only chained to others that run under the same branch conditions.

@@ -30,17 +30,18 @@ inference-mode op cannot pass on) and inside function bodies (whose return value
 op's outputs), the op is replaced by an IdentityN of the same name instead, with y from an
 inference-mode op beside it and outputs 1-5 as above.
 Float32 channels-last activations on CPU towers that the recorded static shape shows to be
-below KERNEL_MIN_ELEMENTS per tower get the IdentityN too, with y from elementwise passes
-and the ReLU after it left an op of its own: oneDNN's batch-norm kernel costs a near-fixed
-~40 us a call. y comes from the deviations of x from the tower's own mean that the local
-moments squared: deviations * gain + (offset - shift * gain), with shift the global mean minus
-the local one, two passes where (x - mean) * gain + offset takes three; at 64 K elements per
-tower they and the ReLU take 0.51 of the inference-mode kernel's time with its ReLU fused, at
-128 K 0.85 (tools/bench_kernels.py, 4 virtual CPUs, one run). Above the threshold the local moments come from the kernel, which leaves no
-deviations to start from. The IdentityN passes the deviations and the shift on as two more outputs
-(DEVIATIONS_ATTR names the first), and sync_backward takes its gradient from them instead of
-reading x again: x's deviations from the global mean are deviations - shift. One pass less
-per layer forward; the step 1.073 vs 1.101 x un-synced in one A/B run (tools/bench_step.py).
+below KERNEL_MIN_ELEMENTS per tower get the IdentityN too, with y from elementwise passes and
+the ReLU after it left an op of its own: oneDNN's batch-norm kernel costs a near-fixed ~40 us a
+call. y comes from the deviations of x from the tower's own mean that the local moments
+squared: deviations * gain + (offset - shift * gain), with shift the global mean minus the
+local one, two passes where (x - mean) * gain + offset takes three; at 64 K elements per tower
+they and the ReLU take 0.51 of the inference-mode kernel's time with its ReLU fused, at 128 K
+0.85 (tools/bench_kernels.py, 4 virtual CPUs, one run). Above the threshold the local moments
+come from the kernel, which leaves no deviations to start from. The IdentityN passes the
+deviations and the shift on as two more outputs (DEVIATIONS_ATTR names the first), and
+sync_backward takes its gradient from them instead of reading x again: x's deviations from the
+global mean are deviations - shift. One pass less per layer forward; the step 1.073 vs 1.101 x
+un-synced in one A/B run (tools/bench_step.py).
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
         # Normalized from the deviations the local moments took: the gradient reads them too.
         shift = b.binary("Sub", "shift", mean, local.mean, F)
         y = _normalize_by_passes(b, deviations, scale, offset, shift, rstd, U)
-        replaced = identity_n(site.name, [y, *statistics, deviations, shift, *controls], [T] + [U] * len(statistics) + [F, F], node.device, key)
+        replaced = identity_n(site.name, [y, *statistics, deviations, shift, *controls],
+                              [T] + [U] * len(statistics) + [F, F], node.device, key)
         set_attr(replaced, DEVIATIONS_ATTR, len(statistics) + 1)
         editor.replace(replaced)
     else:
