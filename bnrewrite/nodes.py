@@ -133,8 +133,9 @@ class Builder:
     def unary(self, op: str, name: str, a: str, dtype: int) -> str:
         return self.node(op, name, [a], T=DType(dtype))
 
-    def reduce_sum(self, name: str, tensor: str, axes: str, dtype: int, keep_dims: bool) -> str:
-        return self.node("Sum", name, [tensor, axes], T=DType(dtype), Tidx=DType(DT_INT32), keep_dims=keep_dims)
+    def reduce_sum(self, name: str, tensor: str, axes: str, dtype: int, keep_dims: bool, op: str = "Sum") -> str:
+        """A Sum over `axes` (or another reduction with Sum's signature, e.g. EuclideanNorm)."""
+        return self.node(op, name, [tensor, axes], T=DType(dtype), Tidx=DType(DT_INT32), keep_dims=keep_dims)
 
     def reshape(self, name: str, tensor: str, shape: str, dtype: int) -> str:
         return self.node("Reshape", name, [tensor, shape], T=DType(dtype), Tshape=DType(DT_INT32))

@@ -47,8 +47,10 @@ def centred_moments(b: Builder, x: str, dtype: int, axes: list[int], broadcast: 
                     keep_deviations: bool = False) -> tuple[Local, str, str]:
     """This tower's moments of x over `axes` by elementwise passes: a sum, then the squared
     deviations from the local mean, summed; also returns the local sum, and with
-    `keep_deviations` the deviations themselves (float32, x's shape: a Sub, then a Square,
-    for sync_forward to normalize from), else "" (one SquaredDifference: one kernel on a GPU).
+    `keep_deviations` the deviations themselves (float32, x's shape: a Sub, for sync_forward
+    to normalize from, whose sum of squares an EuclideanNorm takes in the same pass that reads
+    them, where Square + Sum would write and read an x-sized temporary), else "" (one
+    SquaredDifference: one kernel on a GPU).
 
     `broadcast` is, for a per-channel reduction (fused sites), the shape that lines a [C]
     vector up with x, empty when it lines up as it is (channels last): sums then come out
@@ -64,10 +66,11 @@ def centred_moments(b: Builder, x: str, dtype: int, axes: list[int], broadcast: 
     centre = local_mean if keep_dims else b.per_channel("local_mean_b", local_mean, broadcast, F)
     if keep_deviations:
         deviations = b.binary("Sub", "deviations", xf, centre, F)
-        squared = b.unary("Square", "squared", deviations, F)
+        norm = b.reduce_sum("deviations_norm", deviations, axes_const, F, keep_dims, op="EuclideanNorm")
+        m2 = b.unary("Square", "local_m2", norm, F)
     else:
         deviations, squared = "", b.binary("SquaredDifference", "squared", xf, centre, F)
-    m2 = b.reduce_sum("local_m2", squared, axes_const, F, keep_dims)
+        m2 = b.reduce_sum("local_m2", squared, axes_const, F, keep_dims)
     if keep_dims:
         flat = b.const("flat", [-1])
         local_mean, m2 = b.reshape("local_mean_flat", local_mean, flat, F), b.reshape("local_m2_flat", m2, flat, F)

@@ -56,7 +56,7 @@ def test_otherwise_the_elementwise_passes(why, graph):
     result = rewrite_graph(graph())
     assert not kernel_moments(result.graph_def) and not kernel_gradients(result.graph_def), why
     names = {n.name.rsplit("/", 1)[-1] for n in result.graph_def.node}
-    assert {"squared", "dy_minus_proj"} <= names, why
+    assert {"local_m2", "dy_minus_proj"} <= names, why
 
 
 @pytest.mark.parametrize("why, graph", [
@@ -85,8 +85,8 @@ SITE = "tower_0/FusedBatchNormV3"
 ])
 def test_small_float32_is_normalized_by_passes(why, graph, by_passes):
     """Below the threshold, known from static shapes, the op gives way to an IdentityN of its
-    name fed deviations * gain + bias, the deviations of x from the tower's mean, which it also
-    passes on with the shift for the gradient to read instead of x; otherwise the op stays, in
+    name fed deviations * gain + bias, the deviations of x from the tower's mean (whose sum of
+    squares an EuclideanNorm takes as it reads them), which it also passes on with the shift for the gradient to read instead of x; otherwise the op stays, in
     inference mode, and the gradient reads x."""
     nodes = {n.name: n for n in rewrite_graph(graph()).graph_def.node}
     site = nodes[SITE]
@@ -99,6 +99,8 @@ def test_small_float32_is_normalized_by_passes(why, graph, by_passes):
         deviations, shift = nodes[site.input[index]], nodes[site.input[index + 1]]
         assert scaled.op == "Mul" and scaled.input[0] == deviations.name, why
         assert deviations.op == "Sub" and deviations.input[0] == x and shift.op == "Sub", why
+        readers = {n.op for n in nodes.values() if deviations.name in n.input and "_grad/" not in n.name}
+        assert readers == {"Mul", "EuclideanNorm", "IdentityN"}, why  # no x-sized Square for the moments
         assert f"{SITE}:{index}" in nodes["tower_0/gradients/tower_0/FusedBatchNormV3_grad/sync_bn_grad/dy_deviations"].input
         assert not grad_reads_x, why
     else:

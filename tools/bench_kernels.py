@@ -7,9 +7,9 @@ Each of K virtual CPU devices runs a chain of 40 computations on its own NHWC fl
 (the chains are independent, as towers between two all-reduces are; K > cores shares the cores
 as training does), without the all-reduce, whose cost is the same for both forms:
 
-- forward, passes: the local moments as sum(x), then the deviations d = x - mean, squared and
-  summed, and x normalized as d * gain + (offset - shift * gain), then a ReLU: what sync_forward
-  builds below the threshold;
+- forward, passes: the local moments as sum(x), then the deviations d = x - mean and their
+  sum of squares (EuclideanNorm), and x normalized as d * gain + (offset - shift * gain), then
+  a ReLU: what sync_forward builds below the threshold;
 - forward, kernels: the local moments from a training-mode FusedBatchNormV3 (whose y goes
   unused), and x normalized by an inference-mode FusedBatchNormV3 with the ReLU after it (which
   Grappler fuses into it): what it builds above;
@@ -47,7 +47,7 @@ CHAIN = 40
 def forward_passes(x: tf.Tensor, gain: tf.Tensor) -> tf.Tensor:
     mean = tf.reduce_sum(x, [0, 1, 2]) * (1.0 / np.prod(x.shape[:3]))
     deviations = x - mean
-    m2 = tf.reduce_sum(tf.math.square(deviations), [0, 1, 2])
+    m2 = tf.math.square(tf.raw_ops.EuclideanNorm(input=deviations, axis=[0, 1, 2]))
     return normalize_passes(deviations, gain, mean * 1e-3, m2)
 
 
