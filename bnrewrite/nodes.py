@@ -133,9 +133,12 @@ class Builder:
     def unary(self, op: str, name: str, a: str, dtype: int) -> str:
         return self.node(op, name, [a], T=DType(dtype))
 
-    def reduce_sum(self, name: str, tensor: str, axes: str, dtype: int, keep_dims: bool, op: str = "Sum") -> str:
-        """A Sum over `axes` (or another reduction with Sum's signature, e.g. EuclideanNorm)."""
+    def reduce(self, op: str, name: str, tensor: str, axes: str, dtype: int, keep_dims: bool) -> str:
+        """A reduction over `axes` with Sum's signature (Sum, EuclideanNorm, ...)."""
         return self.node(op, name, [tensor, axes], T=DType(dtype), Tidx=DType(DT_INT32), keep_dims=keep_dims)
+
+    def reduce_sum(self, name: str, tensor: str, axes: str, dtype: int, keep_dims: bool) -> str:
+        return self.reduce("Sum", name, tensor, axes, dtype, keep_dims)
 
     def reshape(self, name: str, tensor: str, shape: str, dtype: int) -> str:
         return self.node("Reshape", name, [tensor, shape], T=DType(dtype), Tshape=DType(DT_INT32))

@@ -66,7 +66,7 @@ def centred_moments(b: Builder, x: str, dtype: int, axes: list[int], broadcast: 
     centre = local_mean if keep_dims else b.per_channel("local_mean_b", local_mean, broadcast, F)
     if keep_deviations:
         deviations = b.binary("Sub", "deviations", xf, centre, F)
-        norm = b.reduce_sum("deviations_norm", deviations, axes_const, F, keep_dims, op="EuclideanNorm")
+        norm = b.reduce("EuclideanNorm", "deviations_norm", deviations, axes_const, F, keep_dims)
         m2 = b.unary("Square", "local_m2", norm, F)
     else:
         deviations, squared = "", b.binary("SquaredDifference", "squared", xf, centre, F)

@@ -86,8 +86,9 @@ SITE = "tower_0/FusedBatchNormV3"
 def test_small_float32_is_normalized_by_passes(why, graph, by_passes):
     """Below the threshold, known from static shapes, the op gives way to an IdentityN of its
     name fed deviations * gain + bias, the deviations of x from the tower's mean (whose sum of
-    squares an EuclideanNorm takes as it reads them), which it also passes on with the shift for the gradient to read instead of x; otherwise the op stays, in
-    inference mode, and the gradient reads x."""
+    squares an EuclideanNorm takes as it reads them), which it also passes on with the shift
+    for the gradient to read instead of x; otherwise the op stays, in inference mode, and the
+    gradient reads x."""
     nodes = {n.name: n for n in rewrite_graph(graph()).graph_def.node}
     site = nodes[SITE]
     x = "tower_0/x"
