@@ -84,8 +84,8 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     sum_dy = b.reduce_sum("sum_dy", dyf, axes, F, False)
     from_forward = deviations(ctx.graph, site)
     if from_forward is None:
-        mean = b.cast("mean", saved_mean, U, F)
-        centred, shift = b.binary("Sub", "centred", b.cast("x_float", x, T, F), b.per_channel("mean_b", mean, shape, F), F), ""
+        mean = b.per_channel("mean_b", b.cast("mean", saved_mean, U, F), shape, F)
+        centred, shift = b.binary("Sub", "centred", b.cast("x_float", x, T, F), mean, F), ""
         sum_dy_xc = b.reduce_sum("sum_dy_xc", b.binary("Mul", "dy_xc", dyf, centred, F), axes, F, False)
     else:
         # x - mean = centred - shift: deviations from the tower's own mean, minus the global
@@ -108,7 +108,8 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     proj = b.binary("DivNoNan", "projection", b.binary("Mul", "dy_xc_rstd_sq", gsum_dy_xc, rstd_sq, F), total, F)
     gain = b.binary("Mul", "gain", b.cast("scale", scale, U, F), rstd, F)
     # dy - mean_dy - (x - mean) * proj, with x - mean = centred - shift
-    dy_minus_xc_proj = b.binary("Sub", "dy_minus_xc_proj", dyf, b.binary("Mul", "xc_proj", centred, b.per_channel("projection_b", proj, shape, F), F), F)
+    xc_proj = b.binary("Mul", "xc_proj", centred, b.per_channel("projection_b", proj, shape, F), F)
+    dy_minus_xc_proj = b.binary("Sub", "dy_minus_xc_proj", dyf, xc_proj, F)
     if shift:
         constant = b.binary("Sub", "shift_proj_minus_mean_dy", b.binary("Mul", "shift_proj", shift, proj, F), mean_dy, F)
         inner = b.binary("AddV2", "dy_minus_proj", dy_minus_xc_proj, constant, F)
