@@ -1,0 +1,236 @@
+"""Multi-tower trainers written the way widely used TF1 multi-GPU trainers were (issue 26).
+
+Graph builders for tests/test_trainers.py; each returns a Trainer. Called with towers=1 and
+the global batch, a builder gives the one-device reference of the same model: same variable
+names, same initial values (constants drawn from numpy, keyed by the variable's name inside
+its tower), same optimizer.
+
+* inception(towers, batch, updates): tensorflow/models' inception multi-GPU trainer. Towers
+  tower_i on /cpu:i share variables (the variable scope reuses them after tower 0) placed on
+  /cpu:0; batch norm written by hand (tf.nn.moments + tf.nn.batch_normalization) with moving
+  mean and variance following zero-debiased assign_moving_average (its `biased` and
+  `local_step` variables); UPDATE_OPS read for the tower's scope inside the tower loop, so one
+  tower's updates are grouped: the last (as inception), the first, the middle one, or the last
+  tower's in a separate op fetched beside the train op ("separate"). Gradients averaged on
+  /cpu:0, RMSProp applied once, then an ExponentialMovingAverage of the trainable variables
+  (ordered after the apply so every run reads the same weights; inception's own group leaves
+  that order to chance).
+* independent(towers, batch, fused): tf_cnn_benchmarks' --variable_update=independent: tower i
+  on /cpu:i with its own variables (variable scope v<i>), its own optimizer applying its own
+  gradients only, tf_keras legacy batch_normalization; every tower's updates in the train op.
+  K trainings in one graph.
+* clones(towers, batch, fused, placement): TF-Slim model_deploy with clone_on_cpu: clone_i
+  name scopes, all on /device:CPU:0 ("cpu0") or with no device at all ("none"), shared
+  variables, each clone's loss divided by the number of clones, gradients summed, the first
+  clone's UPDATE_OPS grouped with the apply, and the train op a loss tensor that depends on them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.ops.control_flow_ops import with_dependencies
+from tensorflow.python.training.moving_averages import assign_moving_average
+
+from models import NUM_CLASSES, Result, session_config
+
+tf1 = tf.compat.v1
+IMAGE, CHANNELS, FILTERS = 6, 3, 4
+DECAY, EPSILON = 0.9, 1e-3
+UPDATE_CHOICES = ("last", "first", "middle", "separate")
+PLACEMENTS = ("cpu0", "none")
+
+
+@dataclass
+class Trainer:
+    graph: tf.Graph
+    fetches: list[str]  # what one training step runs together: the train op (and an op beside it)
+    loss: str  # the scalar loss tensor (mean over every example of the step)
+    inputs: list[tuple[str, str]]  # (images, labels) placeholders per tower
+    init: str
+    variables: dict[str, str]  # every global variable's name -> a tensor reading its value
+
+
+def _constant(key: str, shape: list[int], mean: float = 0.0, std: float | None = None) -> tf1.constant_initializer:
+    """The same initial value wherever `key` is created (any tower, the reference); std defaults
+    to 1/sqrt(fan in)."""
+    rng = np.random.default_rng(zlib.crc32(key.encode()))
+    std = 1.0 / np.sqrt(np.prod(shape[:-1])) if std is None else std
+    return tf1.constant_initializer((mean + std * rng.standard_normal(shape)).astype(np.float32))
+
+
+def _on(device: str | None) -> contextlib.AbstractContextManager:
+    return tf.device(device) if device else contextlib.nullcontext()
+
+
+def _moments_batch_norm(x: tf.Tensor, name: str, variables_device: str | None) -> tf.Tensor:
+    """Inception's hand-written batch norm: batch moments, zero-debiased moving averages in UPDATE_OPS."""
+    channels = [x.shape[-1]]
+    with tf1.variable_scope(name):
+        with _on(variables_device):
+            beta = tf1.get_variable("beta", channels, initializer=_constant(f"{name}/beta", channels, 0.0, 0.1))
+            gamma = tf1.get_variable("gamma", channels, initializer=_constant(f"{name}/gamma", channels, 1.0, 0.1))
+            moving_mean = tf1.get_variable("moving_mean", channels, initializer=tf1.zeros_initializer(),
+                                           trainable=False)
+            moving_variance = tf1.get_variable("moving_variance", channels, initializer=tf1.ones_initializer(),
+                                               trainable=False)
+        mean, variance = tf.nn.moments(x, [0, 1, 2])
+        for update in (assign_moving_average(moving_mean, mean, DECAY, zero_debias=True),
+                       assign_moving_average(moving_variance, variance, DECAY, zero_debias=True)):
+            tf1.add_to_collection(tf1.GraphKeys.UPDATE_OPS, update)
+    return tf.nn.batch_normalization(x, mean, variance, beta, gamma, EPSILON)
+
+
+def _legacy_batch_norm(x: tf.Tensor, name: str, fused: bool) -> tf.Tensor:
+    from tf_keras.src.legacy_tf_layers import normalization
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return normalization.batch_normalization(x, momentum=DECAY, epsilon=EPSILON, training=True, fused=fused,
+                                                 name=name)
+
+
+def _logits(images: tf.Tensor, batch_norm, variables_device: str | None = None) -> tf.Tensor:
+    """conv3x3 -> batch_norm -> relu, twice; global mean; dense. batch_norm(x, name) -> y."""
+    x = images
+    with tf1.variable_scope("net"):
+        for i in (1, 2):
+            shape = [3, 3, x.shape[-1], FILTERS]
+            with _on(variables_device):
+                kernel = tf1.get_variable(f"conv{i}/weights", shape, initializer=_constant(f"conv{i}", shape))
+            x = tf.nn.relu(batch_norm(tf.nn.conv2d(x, kernel, 1, "SAME"), f"bn{i}"))
+        with _on(variables_device):
+            weights = tf1.get_variable("logits/weights", [FILTERS, NUM_CLASSES],
+                                       initializer=_constant("logits", [FILTERS, NUM_CLASSES]))
+            biases = tf1.get_variable("logits/biases", [NUM_CLASSES], initializer=tf1.zeros_initializer())
+        return tf.matmul(tf.reduce_mean(x, [1, 2]), weights) + biases
+
+
+def _placeholders(batch: int) -> tuple[tf.Tensor, tf.Tensor]:
+    return (tf1.placeholder(tf.float32, [batch, IMAGE, IMAGE, CHANNELS], name="images"),
+            tf1.placeholder(tf.int32, [batch], name="labels"))
+
+
+def _cross_entropy(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+
+
+def _readout() -> dict[str, str]:
+    with tf.name_scope("readout"):
+        return {v.op.name: v.value().name for v in tf1.global_variables()}
+
+
+def _finish(graph: tf.Graph, fetches: list, loss: tf.Tensor, inputs: list) -> Trainer:
+    init = tf1.global_variables_initializer()
+    return Trainer(graph=graph, fetches=[f.name for f in fetches], loss=loss.name,
+                   inputs=[(x.name, y.name) for x, y in inputs], init=init.name, variables=_readout())
+
+
+def inception(towers: int, batch: int, updates: str = "last") -> Trainer:
+    """The inception multi-GPU trainer; `updates` picks whose batch-norm updates run (UPDATE_CHOICES)."""
+    chosen = {"first": 0, "middle": towers // 2, "last": towers - 1, "separate": towers - 1}[updates]
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device("/cpu:0"):
+            global_step = tf1.get_variable("global_step", [], tf.int64, initializer=tf1.zeros_initializer(),
+                                           trainable=False, use_resource=True)
+        opt = tf1.train.RMSPropOptimizer(0.05, decay=0.9, momentum=0.9, epsilon=1.0)
+        inputs, losses, tower_grads = [], [], []
+        batchnorm_updates: list = []
+        with tf1.variable_scope(tf1.get_variable_scope(), use_resource=True):
+            for i in range(towers):
+                with tf.device(f"/cpu:{i}"), tf.name_scope(f"tower_{i}") as scope:
+                    images, labels = _placeholders(batch)
+                    loss = _cross_entropy(labels, _logits(
+                        images, lambda x, name: _moments_batch_norm(x, name, "/cpu:0"), "/cpu:0"))
+                    tf1.get_variable_scope().reuse_variables()
+                    tower_updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, scope)
+                    if i == chosen:
+                        batchnorm_updates = tower_updates
+                    tower_grads.append(opt.compute_gradients(loss))
+                inputs.append((images, labels))
+                losses.append(loss)
+        with tf.device("/cpu:0"):
+            grads = [(tf.reduce_mean(tf.stack([g for g, _ in pairs]), 0), pairs[0][1]) for pairs in zip(*tower_grads)]
+            loss = tf.identity(tf.add_n(losses) / towers, name="loss")
+        apply_gradient_op = opt.apply_gradients(grads, global_step=global_step)
+        with tf.control_dependencies([apply_gradient_op]):
+            variables_averages_op = tf1.train.ExponentialMovingAverage(0.9, global_step).apply(
+                tf1.trainable_variables())
+        batchnorm_updates_op = tf.group(*batchnorm_updates, name="batchnorm_updates")
+        if updates == "separate":
+            fetches = [tf.group(apply_gradient_op, variables_averages_op, name="train_op"), batchnorm_updates_op]
+        else:
+            fetches = [tf.group(apply_gradient_op, variables_averages_op, batchnorm_updates_op, name="train_op")]
+        return _finish(graph, fetches, loss, inputs)
+
+
+def independent(towers: int, batch: int, fused: bool = True) -> Trainer:
+    """K models trained apart in one graph (tf_cnn_benchmarks' independent variables)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        inputs, losses, steps = [], [], []
+        for i in range(towers):
+            with tf.device(f"/cpu:{i}"), tf.name_scope(f"tower_{i}") as scope, \
+                    tf1.variable_scope(f"v{i}", use_resource=True):
+                images, labels = _placeholders(batch)
+                loss = _cross_entropy(labels, _logits(images, lambda x, name: _legacy_batch_norm(x, name, fused)))
+                opt = tf1.train.MomentumOptimizer(0.1, 0.9)
+                steps.append(opt.apply_gradients(opt.compute_gradients(loss, var_list=tf1.trainable_variables(f"v{i}/"))))
+                steps += tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, scope)
+            inputs.append((images, labels))
+            losses.append(loss)
+        with tf.device("/cpu:0"):
+            loss = tf.identity(tf.add_n(losses) / towers, name="loss")
+        return _finish(graph, [tf.group(*steps, name="train_op")], loss, inputs)
+
+
+def clones(towers: int, batch: int, fused: bool, placement: str = "cpu0") -> Trainer:
+    """TF-Slim model_deploy's clones on one CPU (placement "cpu0") or on no device ("none")."""
+    graph = tf.Graph()
+    with graph.as_default(), _on("/device:CPU:0" if placement == "cpu0" else None):
+        opt = tf1.train.MomentumOptimizer(0.1, 0.9)
+        inputs, clone_losses, clone_grads = [], [], []
+        update_ops: list = []
+        for i in range(towers):
+            with tf.name_scope(f"clone_{i}") as scope, \
+                    tf1.variable_scope(tf1.get_variable_scope(), reuse=True if i > 0 else None, use_resource=True):
+                images, labels = _placeholders(batch)
+                loss = _cross_entropy(labels, _logits(images, lambda x, name: _legacy_batch_norm(x, name, fused)))
+                clone_loss = tf.math.truediv(loss, float(towers), name="clone_loss")
+                clone_grads.append(opt.compute_gradients(clone_loss))
+                if i == 0:
+                    update_ops = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, scope)
+            inputs.append((images, labels))
+            clone_losses.append(clone_loss)
+        grads = [(tf.add_n([g for g, _ in pairs], name=f"{pairs[0][1].op.name}/sum_grads"), pairs[0][1])
+                 for pairs in zip(*clone_grads)]
+        total_loss = tf.add_n(clone_losses, name="total_loss")
+        update_op = tf.group(*update_ops, opt.apply_gradients(grads))
+        train_tensor = with_dependencies([update_op], total_loss, name="train_op")
+        return _finish(graph, [train_tensor], total_loss, inputs)
+
+
+def run(graph: tf.Graph, trainer: Trainer, batches: list, num_devices: int, find=None) -> tuple[Result, dict]:
+    """Train on `batches` (tower k gets the k-th equal slice), running every fetch together each
+    step; returns the result and the variables' values right after initialization. find(names)
+    maps the trainer's names into `graph` (a rewrite's result.find); default: the names as they are."""
+    names = (trainer.fetches, trainer.loss, trainer.inputs, trainer.init, trainer.variables)
+    fetches, loss, inputs, init, variables = find(names) if find else names
+    losses = []
+    with tf1.Session(graph=graph, config=session_config(num_devices)) as sess:
+        sess.run(init)
+        initial = sess.run(variables)
+        for images, labels in batches:
+            per = len(images) // len(inputs)
+            feed = {}
+            for k, (x, y) in enumerate(inputs):
+                feed[x], feed[y] = images[k * per:(k + 1) * per], labels[k * per:(k + 1) * per]
+            losses.append(sess.run([loss, *fetches], feed)[0])
+        final = sess.run(variables)
+    return Result(np.asarray(losses, np.float64), final), initial
