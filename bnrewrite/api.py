@@ -10,7 +10,7 @@ from typing import Any, Iterator
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
-from bnrewrite import functions, handles
+from bnrewrite import functions, handles, meaning
 from bnrewrite.errors import (
     AlreadyRewrittenError,
     BnRewriteError,
@@ -141,7 +141,9 @@ def _rewrite(
             + (f" ({len(census.skips)} unsupported: {census.skips[0].reason})" if census.skips else "")
         )
     plan = plan_without_shared_body_updates(combined, census, options)
+    before = meaning.effects(combined, meaning.gradient_ops(plan))
     rewritten, records = run_passes(combined, plan)
+    meaning.check_meaning(before, rewritten, plan, {name for r in records for name, _ in r.removed})
     report_note = ""
     if bodies is not None and bodies.bodies:
         rewritten = functions.restore(rewritten, bodies)

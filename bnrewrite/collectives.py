@@ -47,18 +47,22 @@ class Collective:
 
 
 def choose_backend(backend: str, devices: list[Device], num_workers: int = 1, in_functions: str = "") -> str:
-    """'auto' picks NCCL when every tower is a GPU (and one worker), else the local sum when
-    the towers are devices of one process and no synced op is inside a function
+    """'auto' picks NCCL when every tower is a GPU of its own (and one worker), else the local
+    sum when the towers are in one process and no synced op is inside a function
     (`in_functions` names one that is), else the collective runtime; checks the devices allow it.
 
     NcclAllReduce only reaches devices of one process: across workers the collective runtime
-    is used, with communication hint "nccl" on GPUs.
+    is used, with communication hint "nccl" on GPUs. Both meet one peer per device, so towers
+    that share a device (or name none: scope towers) can only take the local sum, an
+    ordinary op.
     """
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     on_gpu = all(d.type == "GPU" for d in devices)
+    distinct = len(set(devices)) == len(devices)
     if backend == "auto":
-        backend = "nccl" if on_gpu and num_workers == 1 else "local" if num_workers == 1 and not in_functions else "collective"
+        backend = ("nccl" if on_gpu and distinct and num_workers == 1
+                   else "local" if num_workers == 1 and not in_functions else "collective")
     if backend == "local" and num_workers > 1:
         raise BackendError('backend local sums inside one process; with several workers use backend="collective"')
     if backend == "local" and in_functions:
@@ -68,10 +72,11 @@ def choose_backend(backend: str, devices: list[Device], num_workers: int = 1, in
     if backend == "nccl" and not on_gpu:
         others = sorted({str(d) or "(no device)" for d in devices if d.type != "GPU"})
         raise BackendError(f"backend nccl needs every tower on a GPU, but towers sit on {', '.join(others)}; use backend=\"local\" (or backend=\"collective\" across workers)")
-    if len(set(devices)) != len(devices):
+    if backend != "local" and not distinct:
         raise BackendError(
-            "towers share a device (" + ", ".join(str(d) or "(no device)" for d in devices)
-            + "); an all-reduce needs one device per tower: place each tower with tf.device"
+            f"backend {backend} meets one peer per device, but the towers share a device or name none ("
+            + ", ".join(str(d) or "(no device)" for d in devices)
+            + '): use backend="local", or place each tower on its own device with tf.device'
         )
     return backend
 

@@ -12,6 +12,7 @@ from bnrewrite.collectives import Collective, choose_backend
 from bnrewrite.errors import BnRewriteError, NoBatchNormError, NoTowersError, TowerMismatchError
 from bnrewrite.functions import in_body
 from bnrewrite.graph import Graph
+from bnrewrite.match.replicas import trained_apart
 from bnrewrite.match.sites import Census, Site, Skip
 from bnrewrite.match.towers import LayerGroup, Towers, group_towers
 from bnrewrite.match.updates import find_updates
@@ -71,6 +72,9 @@ def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
             raise
         first = census.skips[0]
         raise type(exc)(f"{exc} ({len(census.skips)} batch-norm op(s) skipped, e.g. {first.node}: {first.reason})") from None
+    apart = trained_apart(graph, towers) if options.num_workers == 1 else ""
+    if apart:
+        raise NoTowersError(apart)
     size = options.group_size or len(towers.ids)
     if options.num_workers < 1 or not 0 <= options.task_index < options.num_workers:
         raise BnRewriteError(f"task index {options.task_index} is not one of the {options.num_workers} workers")

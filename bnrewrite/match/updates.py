@@ -9,6 +9,8 @@ from bnrewrite.match.sites import Update, resolve_variable
 ASSIGN_OPS = frozenset({
     "AssignSubVariableOp", "AssignVariableOp", "AssignAddVariableOp", "AssignSub", "Assign", "AssignAdd",
 })
+#: Prefixes of the optimizers' update ops (ApplyAdam, ResourceApplyRMSProp, ...): input 0 is the variable.
+_APPLY_PREFIXES = ("Apply", "ResourceApply", "SparseApply", "ResourceSparseApply")
 #: Elementwise ops a statistic passes through on its way into an update (momentum arithmetic;
 #: batch renormalization's standard deviations: Sqrt, and Relu(stddev^2 - epsilon)).
 _ARITHMETIC = frozenset({
@@ -65,3 +67,14 @@ def _updates_from(
                     nxt.extend((consumer.name, i) for i in range(2 if consumer.op == "Switch" else 1))
         frontier = nxt
     return new
+
+
+def writers(graph: Graph) -> dict[str, str]:
+    """Every node that writes a variable (assigns, optimizers' updates) -> that variable."""
+    found = {}
+    for node in graph:
+        if (node.op in ASSIGN_OPS or node.op.startswith(_APPLY_PREFIXES)) and node.input and node.input[0][0] != "^":
+            variable = resolve_variable(graph, graph.producer(node.name, 0)[0])
+            if variable is not None:
+                found[node.name] = variable
+    return found

@@ -3,9 +3,10 @@
 After `sync_forward` every tower's batch statistics are the global ones, so when K towers
 update the same shared variable, one update (the first tower's) is the right one and the
 other K-1 are removed, together with the arithmetic that only fed them and the reads that
-only waited on them. Control edges to removed ops are dropped (e.g. `tf.group` of all
-towers' UPDATE_OPS); a data edge is moved to the kept update of the same variable. Towers
-that own their own copy of a statistic keep their update: each copy gets the global value.
+only waited on them. Every edge to a removed update, data or control, moves to the kept
+update of the same variable: a target that ran any tower's update of a variable (the first
+tower's, the last one's, all of them) runs the kept one, once. Towers that own their own
+copy of a statistic keep their update: each copy gets the global value.
 
 What a removed update waited for, the kept one now waits for: batch renormalization makes
 each tower's update of renorm_mean and renorm_stddev wait (control edges in the update's
@@ -20,12 +21,14 @@ from collections import defaultdict
 from tensorflow.python.framework import op_def_registry
 
 from bnrewrite.graph import Editor, Graph, parse_input, tensor_name
+from bnrewrite.match.updates import ASSIGN_OPS
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.plan import Plan
 
 #: Ops that are never removed, whatever their consumers.
 _KEEP = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault", "VarHandleOp", "VariableV2", "Variable"})
-#: Stateful ops that are still safe to drop once nothing reads them.
+#: Stateful ops that are still safe to drop once only removed updates read them: reads, and
+#: the assigns of a duplicate update's own bookkeeping (zero-debias's `local_step`).
 _DROPPABLE_STATEFUL = frozenset({"ReadVariableOp"})
 
 
@@ -89,7 +92,10 @@ def _descendants(graph: Graph, name: str) -> set[str]:
 
 
 def _rewire_consumers(graph: Graph, editor: Editor, doomed: dict[str, str], keeper: dict[str, str]) -> None:
-    """Drop control edges to doomed updates; point data edges at the kept update.
+    """Point every edge to a doomed update at the kept update of the same variable, so that
+    whatever ran an update of a variable before (a train op that groups any tower's updates,
+    a separate group, `with_dependencies`) runs the kept one. A control edge that would close
+    a cycle (the kept update already runs after the reader) is dropped.
 
     One pass over the inputs of each node that reads a doomed update: a train_op can wait on
     thousands of them.
@@ -97,13 +103,17 @@ def _rewire_consumers(graph: Graph, editor: Editor, doomed: dict[str, str], keep
     readers = dict.fromkeys(r for name in doomed for r in graph.consumers.get(name, ()) if r not in doomed)
     for reader in readers:
         node = editor.mutable(reader)
-        inputs = []
+        inputs, waits = [], set()
         for spec in node.input:
             src, output = parse_input(spec)
             if src not in doomed:
                 inputs.append(spec)
             elif output >= 0:
                 inputs.append(tensor_name(keeper[src], output))
+            else:
+                waits.add(keeper[src])
+        present = {parse_input(spec)[0] for spec in inputs}
+        inputs.extend(f"^{kept}" for kept in sorted(waits - present) if not graph.depends_on(kept, reader))
         del node.input[:]
         node.input.extend(inputs)
 
@@ -112,7 +122,7 @@ def _removable(graph: Graph, name: str) -> bool:
     node = graph.node(name)
     if node.op in _KEEP:
         return False
-    if node.op in _DROPPABLE_STATEFUL:
+    if node.op in _DROPPABLE_STATEFUL or node.op in ASSIGN_OPS:
         return True
     op_def = op_def_registry.get(node.op)
     return op_def is not None and not op_def.is_stateful
@@ -121,15 +131,13 @@ def _removable(graph: Graph, name: str) -> bool:
 def _with_exclusive_ancestors(graph: Graph, doomed: dict[str, str]) -> dict[str, str]:
     """The doomed updates plus every node that only they (transitively) consumed.
 
-    Also takes reads that only waited on a doomed update (`ReadVariableOp [v, ^update]`)
-    and that nothing else reads.
+    Also takes the reads nothing reads that only waited on a node removed here
+    (`ReadVariableOp [v, ^update]`: the value an assign returns, unused), so the assigns of
+    a duplicate update's bookkeeping (zero-debias's `local_step`) go with it.
     """
     removed = dict(doomed)
     for name in doomed:
-        for reader in graph.consumers.get(name, ()):
-            waiting = graph.node(reader)
-            if waiting.op == "ReadVariableOp" and f"^{name}" in waiting.input and reader not in graph.consumers:
-                removed[reader] = f"read only after {name}, which was removed"
+        removed.update(_dead_reads(graph, name))
     stack = list(removed)
     while stack:
         name = stack.pop()
@@ -137,7 +145,19 @@ def _with_exclusive_ancestors(graph: Graph, doomed: dict[str, str]) -> dict[str,
             src, _ = parse_input(spec)
             if src in removed or src not in graph or not _removable(graph, src):
                 continue
-            if all(reader in removed for reader in graph.consumers.get(src, ())):
+            dead = _dead_reads(graph, src)
+            if all(reader in removed or reader in dead for reader in graph.consumers.get(src, ())):
                 removed[src] = f"only fed {name}, which was removed"
+                removed.update(dead)
                 stack.append(src)
     return removed
+
+
+def _dead_reads(graph: Graph, name: str) -> dict[str, str]:
+    """Reads of a variable that wait on `name` and that nothing reads, with why they go."""
+    found = {}
+    for reader in graph.consumers.get(name, ()):
+        waiting = graph.node(reader)
+        if waiting.op == "ReadVariableOp" and f"^{name}" in waiting.input and reader not in graph.consumers:
+            found[reader] = f"read only after {name}, which was removed"
+    return found

@@ -1,0 +1,169 @@
+"""What a graph does, read from the graph alone, and the check that a rewrite kept it.
+
+A rewrite can leave a graph that imports and runs but trains differently (a train op that no
+longer waits on any moving-average update). So after the passes, and apart from them, the
+rewritten graph's effects are compared with the input's:
+
+1. every target (a node nothing reads, or one that waits on an update: train ops, groups)
+   that updated a variable still updates it: once per step for the moving averages the
+   towers share (never more), at most as often as before for any other variable (a target
+   may come to wait on another tower's copies: synchronized towers wait on each other);
+2. a target that runs members of an inserted all-reduce in two towers runs every tower's
+   member (a member left out hangs the step; one tower alone is a fetch of one tower's tensors);
+3. a batch-norm gradient that waited on no update waits on none (the backward is not held
+   up behind moving averages).
+
+The effects are reachability over data and control edges, as bit sets pushed forward in
+topological order from the nodes of interest only. Flattened function bodies (control flow
+v2 branches) are left out: their edges to the graph around them are not data edges here.
+A violation is a PassError (a bug).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterable
+
+from bnrewrite.collectives import INSTANCE_ATTR
+from bnrewrite.errors import PassError
+from bnrewrite.functions import in_body
+from bnrewrite.graph import Graph
+from bnrewrite.match.updates import writers
+from bnrewrite.plan import Plan
+
+#: How many offending nodes a message names.
+_SHOWN = 3
+
+
+@dataclass(frozen=True)
+class Effects:
+    """target -> {variable: how many of its writers the target runs per step}, and each
+    batch-norm gradient op -> the variables whose writers it waits on."""
+
+    updates: dict[str, Counter[str]]
+    gradient_waits: dict[str, frozenset[str]]
+
+
+def _reach(graph: Graph, seeds: list[str]) -> dict[str, int]:
+    """node -> bit set of the seeds it runs after (bit i: seeds[i]; a seed reaches itself),
+    for the descendants of the seeds only."""
+    consumers = graph.consumers
+    below, stack = set(seeds), list(seeds)
+    while stack:
+        for reader in consumers.get(stack.pop(), ()):
+            if reader not in below:
+                below.add(reader)
+                stack.append(reader)
+    masks = {seed: 1 << i for i, seed in enumerate(seeds)}
+    for name in graph.sorted_topologically(below):
+        mask = masks.get(name)
+        if mask:
+            for reader in consumers.get(name, ()):
+                masks[reader] = masks.get(reader, 0) | mask
+    return masks
+
+
+def _bits(mask: int) -> Iterable[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def effects(graph: Graph, grads: Iterable[str], targets: Iterable[str] | None = None) -> Effects:
+    """The effects of `targets` (default: nodes nothing reads, or that wait on a writer, and
+    that run a writer) and of the gradient ops `grads`."""
+    written = {name: v for name, v in writers(graph).items() if not in_body(name)}
+    seeds = list(written)
+    masks = _reach(graph, seeds)
+    if targets is None:
+        consumers = graph.consumers
+        waiting = {reader for w in seeds for reader in consumers.get(w, ())}
+        targets = [name for name in masks if (name not in consumers or name in waiting) and not in_body(name)]
+    updates = {}
+    for target in targets:
+        if target in graph:
+            updates[target] = Counter(written[seeds[i]] for i in _bits(masks.get(target, 0)))
+    waits = {g: frozenset(written[seeds[i]] for i in _bits(masks.get(g, 0))) for g in grads
+             if g in graph and not in_body(g)}
+    return Effects({t: c for t, c in updates.items() if c}, waits)
+
+
+def gradient_ops(plan: Plan) -> list[str]:
+    return [g for group in plan.groups for site in group.sites for g in (*site.grads, *site.variance_grads)]
+
+
+def shared_statistics(plan: Plan) -> set[str]:
+    """Moving-average variables that several towers' sites update: one update each after."""
+    writers_of: dict[str, set[str]] = {}
+    for group in plan.groups:
+        for site in group.sites:
+            for update in site.updates:
+                writers_of.setdefault(update.variable, set()).add(update.node)
+    return {v for v, nodes in writers_of.items() if len(nodes) > 1}
+
+
+def check_meaning(before: Effects, after_graph: Graph, plan: Plan, removed: set[str]) -> None:
+    """Raise PassError when the rewritten graph does not do what `before` (the input's
+    effects) did; `removed`: the nodes the passes removed on purpose."""
+    after = effects(after_graph, before.gradient_waits, before.updates)
+    shared = shared_statistics(plan)
+    lost = [t for t in before.updates if t not in after_graph and t not in removed]
+    _fail_if("a target of the input is gone", lost)
+    wrong = []
+    for target, counts in before.updates.items():
+        if target not in after_graph:
+            continue
+        now = after.updates.get(target, Counter())
+        for variable in counts.keys() | now.keys():
+            was, count = counts[variable], now[variable]
+            if variable in shared and count > 1 or was and not (1 <= count <= was):
+                wrong.append(f"{target} updates {variable} {count} time(s) per step, {was} before")
+    _fail_if("every target updates what it updated before, once per shared moving average", wrong)
+    waits = [f"{g} now waits on updates of {', '.join(sorted(after.gradient_waits[g]))}"
+             for g, was in before.gradient_waits.items() if not was and after.gradient_waits.get(g)]
+    _fail_if("a batch-norm gradient that waited on no update waits on none", waits)
+    _check_all_reduces(after_graph, list(after.updates))
+
+
+def _check_all_reduces(graph: Graph, targets: list[str]) -> None:
+    """A target that runs two members of an all-reduce runs all of its members here."""
+    members: dict[str, list[str]] = {}
+    for node in graph:
+        if INSTANCE_ATTR in node.attr and not in_body(node.name):
+            members.setdefault(_instance(graph, node), []).append(node.name)
+    if not members or not targets:
+        return
+    seeds = [m for names in members.values() for m in names]
+    masks = _reach(graph, seeds)
+    index = {name: i for i, name in enumerate(seeds)}
+    partial = []
+    for key, names in members.items():
+        whole = sum(1 << index[n] for n in names)
+        for target in targets:
+            got = masks.get(target, 0) & whole
+            if got & (got - 1) and got != whole:
+                missing = [n for n in names if not got >> index[n] & 1]
+                partial.append(f"{target} runs {key} without {', '.join(missing[:_SHOWN])}")
+    _fail_if("a target that runs an all-reduce in two towers runs it in every tower", partial)
+
+
+def _instance(graph: Graph, node: object) -> str:
+    """What identifies the all-reduce a member belongs to: NCCL's shared name, the sum a local
+    member reads, a collective's group and instance keys."""
+    if node.op == "NcclAllReduce":  # type: ignore[attr-defined]
+        return node.attr["shared_name"].s.decode()  # type: ignore[attr-defined]
+    if node.op == "CollectiveReduceV2":  # type: ignore[attr-defined]
+        group = graph.node(graph.producer(node.name, 2)[0]).attr["value"].tensor.int_val  # type: ignore[attr-defined]
+        return f"collective group {list(group)} instance {node.attr[INSTANCE_ATTR].i}"  # type: ignore[attr-defined]
+    return graph.producer(node.name, 0)[0]  # type: ignore[attr-defined]
+
+
+def _fail_if(invariant: str, problems: list[str]) -> None:
+    if problems:
+        more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
+        raise PassError(
+            f"the rewrite changed what the graph does: {invariant} does not hold: "
+            f"{'; '.join(problems[:_SHOWN])}{more} (a bnrewrite bug; please report it)"
+        )
