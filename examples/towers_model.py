@@ -25,7 +25,7 @@ Tower shapes (Spec fields; the defaults build the graphs above, node for node):
   ``loss_k = reduce_sum(xent_k) * K / N``, N the float placeholder_with_default
   ``global_batch`` (default K*B) that ``train`` feeds with the step's example
   count; ``train(..., splits=...)`` then gives towers any sizes, 0 included.
-* ``tower0_updates_only``: ``train_op`` groups tower 0's UPDATE_OPS only.
+* ``updates_tower=k``: ``train_op`` groups tower k's UPDATE_OPS only (-1: the last tower's).
 * ``affine=False``: legacy layers without gamma and beta (``center=False, scale=False``).
 * ``renorm=True``: legacy layers with batch renormalization.
 
@@ -137,9 +137,10 @@ class Spec:
     #: examples. The average of the K tower losses is then the mean over all N examples, and
     #: the averaged tower gradients are the single-device gradient, whatever the split.
     uneven: bool = False
-    #: train_op groups only tower 0's UPDATE_OPS (the moving-statistics updates) instead of
-    #: every tower's. Used for references whose moving statistics are those of device 0 only.
-    tower0_updates_only: bool = False
+    #: train_op groups only tower k's UPDATE_OPS (the moving-statistics updates; -1: the last
+    #: tower's) instead of every tower's, as trainers that read UPDATE_OPS for one tower's scope
+    #: do; and references whose moving statistics are those of device 0 only. None: every tower's.
+    updates_tower: int | None = None
     #: Legacy layers only: False builds them with center=False, scale=False (no gamma or beta:
     #: the layer's only variables are its moving statistics).
     affine: bool = True
@@ -413,8 +414,8 @@ def _build_graph(spec: Spec, towers: int, batch: int, device: str) -> Built:
         loss = tf.identity(loss, name=LOSS_NAME)
         apply_op = opt.apply_gradients(avg_grads, name="apply_gradients")
         update_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
-        if spec.tower0_updates_only:
-            update_ops = tower_updates[0]
+        if spec.updates_tower is not None and towers > 1:  # the one device's are its only tower's
+            update_ops = tower_updates[spec.updates_tower]
         train_op = tf.group(apply_op, *update_ops, name=TRAIN_OP_NAME)
         init = tf.compat.v1.global_variables_initializer()
         assert init.name == INIT_NAME, init.name

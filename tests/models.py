@@ -9,7 +9,7 @@ helpers.
     Spec(towers=2, batch=4, layer="legacy"|"fused_op"|..., data_format="NHWC"|"NCHW",
          dtype="float32"|"float16"|"bfloat16", device="cpu"|"gpu", image=6,
          channels=3, seed=0, tower_prefix="tower_", uneven=False,
-         tower0_updates_only=False)                      frozen dataclass
+         updates_tower=None)                      frozen dataclass
     Built(graph, train_op, loss, inputs, init, variables, global_batch=None)
     Result(losses, variables)
     build_towers(spec) -> Built

@@ -69,7 +69,7 @@ def test_nccl_sync_groups_train_like_one_device_per_group():
     spec = Spec(towers=4, batch=b, device="gpu")
     built = build_towers(spec)
     converted = _converted(built, SPEC_LAYERS, [0, 1], [2, 3], group_size=2)
-    ref = build_towers(Spec(towers=2, batch=2 * b, tower0_updates_only=True))
+    ref = build_towers(Spec(towers=2, batch=2 * b, updates_tower=0))
     data = make_batches(spec, STEPS)
     expected = train(ref.graph, ref, data, num_devices=2)
     _assert_oracle("nccl sync groups K=4", built, converted, expected, data)

@@ -223,14 +223,14 @@ def test_sync_groups_train_like_devices_with_the_group_batch(layer, backend):
     one update per statistic per step, tower 0's (the statistics of group 0), while the
     2-device graph applies both devices' updates, one after the other in no fixed order. So
     the reference for everything is the 2-device graph whose train_op groups only device 0's
-    UPDATE_OPS (Spec.tower0_updates_only).
+    UPDATE_OPS (Spec.updates_tower=0).
     """
     b = 2
     spec = Spec(towers=4, batch=b, layer=layer)
     built = build_towers(spec)
     result = rewrite_graph(built.graph, backend=backend, group_size=2)
     data = make_batches(spec, STEPS)
-    ref = build_towers(Spec(towers=2, batch=2 * b, layer=layer, tower0_updates_only=True))
+    ref = build_towers(Spec(towers=2, batch=2 * b, layer=layer, updates_tower=0))
     expected = train(ref.graph, ref, data, num_devices=2)
     synced = train(result.graph_def, built, data, num_devices=4)
     unsynced = train(built.graph, built, data, num_devices=4)

@@ -23,7 +23,9 @@ import pytest
 
 from bnrewrite import rewrite_graph
 from bnrewrite.errors import BackendError, NoTowersError
-from models import Result, Spec, assert_synced, make_batches, max_rel_error, rel_errors
+from models import (
+    Result, Spec, assert_synced, build_reference, build_towers, make_batches, max_rel_error, rel_errors, train,
+)
 from trainers import PLACEMENTS, UPDATE_CHOICES, Trainer, clones, independent, inception, run
 
 STEPS, BATCH = 3, 2
@@ -128,3 +130,33 @@ def test_clones_on_one_device_refuse_per_device_backends(backend: str, placement
     message = str(info.value)
     print(message)
     assert "device" in message and "\n" not in message.strip(), message
+
+
+#: Every update form the matcher knows, with the train op grouping one tower's UPDATE_OPS only:
+#: fused (layer and op, exponential_avg_factor), unfused (AssignSubVariableOp after moments),
+#: batch renormalization, and each under a v1 and a v2 tf.cond.
+FORMS = [
+    Spec(towers=3, layer="legacy", updates_tower=-1),
+    Spec(towers=3, layer="fused_op", updates_tower=1),
+    Spec(towers=3, layer="legacy_unfused", updates_tower=-1),
+    Spec(towers=3, layer="legacy_unfused", renorm=True, updates_tower=1),
+    Spec(towers=3, layer="legacy_cond_v1", updates_tower=-1),
+    Spec(towers=3, layer="legacy_cond_v1", renorm=True, updates_tower=-1),
+    Spec(towers=2, layer="legacy_cond_v2", updates_tower=-1),
+]
+
+
+@pytest.mark.parametrize("spec", FORMS, ids=lambda s: f"{s.layer}{'-renorm' if s.renorm else ''}-tower{s.updates_tower}")
+def test_train_op_with_one_towers_updates_trains_like_one_device(spec: Spec):
+    """Whichever tower's updates the train op runs, the rewritten graph updates every moving
+    statistic once per step, fed the global statistics."""
+    built = build_towers(spec)
+    result = rewrite_graph(built.graph)
+    data = make_batches(spec, STEPS)
+    ref = build_reference(spec)
+    expected = train(ref.graph, ref, data, num_devices=1)
+    synced = train(result.graph_def, built, data, num_devices=spec.towers)
+    unsynced = train(built.graph, built, data, num_devices=spec.towers)
+    assert_synced(f"{spec.layer} updates of tower {spec.updates_tower}", synced, unsynced, expected, TOLERANCE)
+    moving = [name for name in synced.variables if "moving_" in name or "renorm_" in name]
+    assert moving and all(rel_errors(synced, expected)[name] <= TOLERANCE for name in moving)

@@ -1,0 +1,115 @@
+"""The meaning check (bnrewrite/meaning.py) catches a rewrite that changes what the graph does.
+
+Each test breaks one invariant on purpose, by patching what the passes return, and shows
+that rewrite_graph raises PassError naming it; unbroken, the same graphs rewrite cleanly.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import pytest
+
+from bnrewrite import api, rewrite_graph
+from bnrewrite.errors import PassError
+from bnrewrite.graph import Graph
+from bnrewrite.passes import PIPELINE, dedupe_moving_averages, run_passes
+from models import Spec, build_towers
+
+K = 3
+
+
+@functools.cache
+def _towers(layer: str = "legacy", backend: str = "collective"):
+    """A 3-tower graph (every tower's updates in the train op) and its clean rewrite."""
+    built = build_towers(Spec(towers=K, layer=layer))
+    return built, rewrite_graph(built.graph, backend=backend)
+
+
+def _break(monkeypatch, edit: Callable[[Graph], Graph], passes=PIPELINE) -> None:
+    """Make rewrite_graph's passes end with a broken one: `edit` of their result."""
+
+    def broken(graph, plan, passes=passes):
+        result, records = run_passes(graph, plan, passes)
+        return edit(result), records
+
+    monkeypatch.setattr(api, "run_passes", broken)
+
+
+def _edited(graph: Graph, change: Callable) -> Graph:
+    """`graph` with `change(editor)` applied, as a pass would."""
+    editor = graph.edit()
+    change(editor)
+    return editor.finish()
+
+
+def _kept_update(built) -> tuple[str, str]:
+    """(the train op, one moving-average update it runs after the clean rewrite)."""
+    _, result = _towers()
+    update = result.report.layers[0].updates_kept[0]
+    return built.train_op.split(":")[0], update
+
+
+def test_clean_rewrite_passes_the_check():
+    built, result = _towers()
+    assert result.report.removed and result.report.layers
+
+
+def test_a_target_that_loses_an_update_is_caught(monkeypatch):
+    built, _ = _towers()
+    train_op, update = _kept_update(built)
+
+    def drop(graph: Graph) -> Graph:
+        def change(editor):
+            node = editor.mutable(train_op)
+            kept = [spec for spec in node.input if spec != f"^{update}"]
+            del node.input[:]
+            node.input.extend(kept)
+        return _edited(graph, change)
+
+    _break(monkeypatch, drop)
+    with pytest.raises(PassError, match=r"every target updates what it updated before.*updates .* 0 time"):
+        rewrite_graph(built.graph, backend="collective")
+
+
+def test_a_shared_statistic_updated_by_every_tower_is_caught(monkeypatch):
+    built, _ = _towers()
+    _break(monkeypatch, lambda graph: graph, passes=tuple(p for p in PIPELINE if p is not dedupe_moving_averages))
+    with pytest.raises(PassError, match=rf"once per shared moving average.*{K} time\(s\) per step, {K} before"):
+        rewrite_graph(built.graph, backend="collective")
+
+
+def test_a_target_that_runs_an_all_reduce_in_some_towers_only_is_caught(monkeypatch):
+    built, _ = _towers()
+
+    def bypass(graph: Graph) -> Graph:
+        """Tower 1's readers of one forward all-reduce read its input instead and stop waiting
+        on it: the train op still runs the other towers' members, which wait for tower 1's."""
+        member = next(n.name for n in graph if n.op == "CollectiveReduceV2" and n.name.startswith("tower_1/"))
+        source = graph.node(member).input[0]
+
+        def change(editor):
+            for reader in graph.consumers[member]:
+                node = editor.mutable(reader)
+                inputs = [source if spec == member else spec for spec in node.input if spec != f"^{member}"]
+                del node.input[:]
+                node.input.extend(inputs)
+        return _edited(graph, change)
+
+    _break(monkeypatch, bypass)
+    with pytest.raises(PassError, match=r"runs it in every tower.*without tower_1/"):
+        rewrite_graph(built.graph, backend="collective")
+
+
+def test_a_gradient_held_behind_an_update_is_caught(monkeypatch):
+    built, result = _towers()
+    _, update = _kept_update(built)
+
+    def wait(graph: Graph) -> Graph:
+        grad = next(g for g in result.report.layers[0].gradients if g.startswith("tower_1/"))
+        return _edited(graph, lambda editor: editor.mutable(grad).input.append(f"^{update}"))
+
+    _break(monkeypatch, wait)
+    with pytest.raises(PassError, match=r"gradient that waited on no update waits on none.*tower_1/"):
+        rewrite_graph(built.graph, backend="collective")
