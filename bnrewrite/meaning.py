@@ -8,8 +8,8 @@ rewritten graph's effects are compared with the input's:
    that updated a variable still updates it: once per step for the moving averages the
    towers share (never more), at most as often as before for any other variable (a target
    may come to wait on another tower's copies: synchronized towers wait on each other);
-2. a target that runs members of an inserted all-reduce in two towers runs every tower's
-   member (a member left out hangs the step; one tower alone is a fetch of one tower's tensors);
+2. a step (a target that ran every tower's batch-norm gradients: the train op) runs every
+   tower's member of every inserted all-reduce (a member left out hangs the step);
 3. a batch-norm gradient that waited on no update waits on none (the backward is not held
    up behind moving averages).
 
@@ -38,10 +38,12 @@ _SHOWN = 3
 
 @dataclass(frozen=True)
 class Effects:
-    """target -> {variable: how many of its writers the target runs per step}, and each
-    batch-norm gradient op -> the variables whose writers it waits on."""
+    """target -> {variable: how many of its writers the target runs per step}; the steps:
+    targets that run every tower's batch-norm gradients; each batch-norm gradient op -> the
+    variables whose writers it waits on."""
 
     updates: dict[str, Counter[str]]
+    steps: frozenset[str]
     gradient_waits: dict[str, frozenset[str]]
 
 
@@ -71,23 +73,31 @@ def _bits(mask: int) -> Iterable[int]:
         mask ^= low
 
 
-def effects(graph: Graph, grads: Iterable[str], targets: Iterable[str] | None = None) -> Effects:
+def effects(graph: Graph, grads: list[str], targets: Iterable[str] | None = None) -> Effects:
     """The effects of `targets` (default: nodes nothing reads, or that wait on a writer, and
-    that run a writer) and of the gradient ops `grads`."""
+    that run a writer) and of the gradient ops `grads`; steps are found among the default
+    targets only (the input's)."""
     written = {name: v for name, v in writers(graph).items() if not in_body(name)}
     seeds = list(written)
     masks = _reach(graph, seeds)
+    find_steps = targets is None
     if targets is None:
         consumers = graph.consumers
         waiting = {reader for w in seeds for reader in consumers.get(w, ())}
         targets = [name for name in masks if (name not in consumers or name in waiting) and not in_body(name)]
     updates = {}
     for target in targets:
-        if target in graph:
-            updates[target] = Counter(written[seeds[i]] for i in _bits(masks.get(target, 0)))
-    waits = {g: frozenset(written[seeds[i]] for i in _bits(masks.get(g, 0))) for g in grads
-             if g in graph and not in_body(g)}
-    return Effects({t: c for t, c in updates.items() if c}, waits)
+        counts = Counter(written[seeds[i]] for i in _bits(masks.get(target, 0))) if target in graph else None
+        if counts:
+            updates[target] = counts
+    grads = [g for g in grads if g in graph and not in_body(g)]
+    waits = {g: frozenset(written[seeds[i]] for i in _bits(masks.get(g, 0))) for g in grads}
+    steps: frozenset[str] = frozenset()
+    if grads and find_steps:
+        every = (1 << len(grads)) - 1
+        below = _reach(graph, grads)
+        steps = frozenset(t for t in updates if below.get(t, 0) == every)
+    return Effects(updates, steps, waits)
 
 
 def gradient_ops(plan: Plan) -> list[str]:
@@ -107,7 +117,7 @@ def shared_statistics(plan: Plan) -> set[str]:
 def check_meaning(before: Effects, after_graph: Graph, plan: Plan, removed: set[str]) -> None:
     """Raise PassError when the rewritten graph does not do what `before` (the input's
     effects) did; `removed`: the nodes the passes removed on purpose."""
-    after = effects(after_graph, before.gradient_waits, before.updates)
+    after = effects(after_graph, list(before.gradient_waits), before.updates)
     shared = shared_statistics(plan)
     lost = [t for t in before.updates if t not in after_graph and t not in removed]
     _fail_if("a target of the input is gone", lost)
@@ -124,40 +134,21 @@ def check_meaning(before: Effects, after_graph: Graph, plan: Plan, removed: set[
     waits = [f"{g} now waits on updates of {', '.join(sorted(after.gradient_waits[g]))}"
              for g, was in before.gradient_waits.items() if not was and after.gradient_waits.get(g)]
     _fail_if("a batch-norm gradient that waited on no update waits on none", waits)
-    _check_all_reduces(after_graph, list(after.updates))
+    _check_all_reduces(after_graph, sorted(t for t in before.steps if t in after_graph))
 
 
-def _check_all_reduces(graph: Graph, targets: list[str]) -> None:
-    """A target that runs two members of an all-reduce runs all of its members here."""
-    members: dict[str, list[str]] = {}
-    for node in graph:
-        if INSTANCE_ATTR in node.attr and not in_body(node.name):
-            members.setdefault(_instance(graph, node), []).append(node.name)
-    if not members or not targets:
-        return
-    seeds = [m for names in members.values() for m in names]
-    masks = _reach(graph, seeds)
-    index = {name: i for i, name in enumerate(seeds)}
+def _check_all_reduces(graph: Graph, steps: list[str]) -> None:
+    """Every step runs every member of every all-reduce."""
+    members = [node.name for node in graph if INSTANCE_ATTR in node.attr and not in_body(node.name)]
+    masks = _reach(graph, members)
+    every = (1 << len(members)) - 1
     partial = []
-    for key, names in members.items():
-        whole = sum(1 << index[n] for n in names)
-        for target in targets:
-            got = masks.get(target, 0) & whole
-            if got & (got - 1) and got != whole:
-                missing = [n for n in names if not got >> index[n] & 1]
-                partial.append(f"{target} runs {key} without {', '.join(missing[:_SHOWN])}")
-    _fail_if("a target that runs an all-reduce in two towers runs it in every tower", partial)
-
-
-def _instance(graph: Graph, node: object) -> str:
-    """What identifies the all-reduce a member belongs to: NCCL's shared name, the sum a local
-    member reads, a collective's group and instance keys."""
-    if node.op == "NcclAllReduce":  # type: ignore[attr-defined]
-        return node.attr["shared_name"].s.decode()  # type: ignore[attr-defined]
-    if node.op == "CollectiveReduceV2":  # type: ignore[attr-defined]
-        group = graph.node(graph.producer(node.name, 2)[0]).attr["value"].tensor.int_val  # type: ignore[attr-defined]
-        return f"collective group {list(group)} instance {node.attr[INSTANCE_ATTR].i}"  # type: ignore[attr-defined]
-    return graph.producer(node.name, 0)[0]  # type: ignore[attr-defined]
+    for step in steps:
+        mask = masks.get(step, 0)
+        if mask != every:
+            missing = [member for i, member in enumerate(members) if not mask >> i & 1]
+            partial.append(f"{step} does not run {', '.join(missing[:_SHOWN])}")
+    _fail_if("a step runs every tower's member of every all-reduce", partial)
 
 
 def _fail_if(invariant: str, problems: list[str]) -> None:

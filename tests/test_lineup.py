@@ -51,7 +51,7 @@ def _towers(scopes: list[str], layers: list[str], parallel: tuple[str, ...] = ()
     with graph.as_default(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         opt = tf1.train.GradientDescentOptimizer(0.1)
-        ops = []
+        grads = []
         for k, (scope, variable_scope) in enumerate(zip(scopes, variable_scopes)):
             with tf.device(f"/cpu:{k}"), tf.name_scope(scope), tf1.variable_scope(variable_scope, default_name="model"):
                 h = tf1.placeholder(tf.float32, [2, 4, 4, 3], name="images")
@@ -66,9 +66,25 @@ def _towers(scopes: list[str], layers: list[str], parallel: tuple[str, ...] = ()
                     else:
                         h, branches = y, []
                 loss = tf.reduce_mean(tf.square(tf.add_n(branches) if branches else h))
-                ops.append(opt.minimize(loss))
+                grads.append(opt.compute_gradients(loss, tf1.trainable_variables(tf1.get_variable_scope().name)))
+        ops = _apply_replicated(opt, grads)
         tf.group(*ops, *tf1.get_collection(tf1.GraphKeys.UPDATE_OPS), name="train_op")
     return graph
+
+
+def _apply_replicated(opt, grads: list) -> list:
+    """tf_cnn_benchmarks' replicated variables: each copy gets the mean of its role's gradients
+    over the towers that have it (a role: the variable's name below the tower's own scope),
+    so the towers train one model (independent copies would be refused)."""
+    by_role: dict = {}
+    for tower in grads:
+        for grad, var in tower:
+            by_role.setdefault(var.op.name.split("/", 1)[1], []).append((grad, var))
+    ops = []
+    for pairs in by_role.values():
+        mean = tf.add_n([g for g, _ in pairs]) / len(pairs)
+        ops.append(opt.apply_gradients([(mean, var) for _, var in pairs]))
+    return ops
 
 
 def _layer_of(site: str) -> str:

@@ -17,9 +17,10 @@ from bnrewrite.match.updates import writers
 def trained_apart(graph: Graph, towers: Towers) -> str:
     """Why the towers are independent models, or "" when they may be replicas.
 
-    Independent: every layer holds per-tower variables, each tower's scale/offset copies are
-    written (by an optimizer) and nothing upstream of those writes belongs to another
-    tower's batch norm. A graph without such writes (no optimizer) counts as replicas.
+    Independent: every layer holds per-tower variables, and in every tower the writes of its
+    scale/offset copies (an optimizer's, which start from the tower's own batch-norm
+    gradients; an initializer's start from neither) have no other tower's batch norm
+    upstream. A graph whose writes start from no batch norm (no optimizer) counts as replicas.
     """
     if any(group.lined_up_by == "shared variables" for group in towers.groups):
         return ""
@@ -33,11 +34,9 @@ def trained_apart(graph: Graph, towers: Towers) -> str:
             own[k].update((site.name, *site.grads, *site.variance_grads))
             for variable in (site.scale_var, site.offset_var):
                 starts[k].extend(written.get(variable, ()) if variable else ())
-    if not all(starts):
-        return ""
-    for k, tower in enumerate(towers.ids):
-        foreign = set().union(*(sites for j, sites in enumerate(own) if j != k))
-        if _reaches(graph, starts[k], foreign):
+    tower_of = {name: k for k, sites in enumerate(own) for name in sites}
+    for k in range(len(towers.ids)):
+        if _upstream_towers(graph, starts[k], tower_of) != {k}:
             return ""
     example = towers.groups[0].sites[0]
     return (
@@ -48,15 +47,17 @@ def trained_apart(graph: Graph, towers: Towers) -> str:
     )
 
 
-def _reaches(graph: Graph, starts: list[str], targets: set[str]) -> bool:
-    """Whether a node of `targets` is upstream of (or among) `starts`."""
+def _upstream_towers(graph: Graph, starts: list[str], tower_of: dict[str, int]) -> set[int]:
+    """The towers whose batch-norm nodes (`tower_of`) are upstream of (or among) `starts`;
+    the search stops once two are found."""
+    found: set[int] = set()
     seen, stack = set(starts), list(starts)
-    while stack:
+    while stack and len(found) < 2:
         name = stack.pop()
-        if name in targets:
-            return True
+        if name in tower_of:
+            found.add(tower_of[name])
         for src, _ in graph.inputs(name):
             if src not in seen:
                 seen.add(src)
                 stack.append(src)
-    return False
+    return found
