@@ -283,7 +283,7 @@ class Outputs:
                     os.link(final, item.aside)
                     item.linked = True
                 except OSError:
-                    item.linked = False
+                    pass
             if not item.linked:
                 os.rename(final, item.aside)
         if item.linked:
@@ -318,21 +318,21 @@ class Outputs:
 
 
 def _undo(item: _Staged) -> None:
-    """Put the old output of one item back (the new one goes back to its temporary name)."""
-    if item.linked and item.aside is not None:
+    """Put the old output of one item back (a new one in place goes back to its temporary name)."""
+    aside = item.aside if item.aside is not None and os.path.lexists(item.aside) else None
+    if item.linked and aside is not None:
         if item.placed:
-            os.replace(item.aside, item.final)  # the new file is discarded
+            os.replace(aside, item.final)  # the new file is discarded
             item.placed = False
         else:
-            os.remove(item.aside)
-        item.aside = None
-        return
-    if item.placed:
-        os.rename(item.final, item.temp)
-        item.placed = False
-    if item.aside is not None:
-        os.rename(item.aside, item.final)
-        item.aside = None
+            os.remove(aside)
+    else:
+        if item.placed:
+            os.rename(item.final, item.temp)
+            item.placed = False
+        if aside is not None:
+            os.rename(aside, item.final)
+    item.aside = None
 
 
 def _remove_all(paths: list[str]) -> list[str]:
