@@ -39,7 +39,7 @@ EXIT_CODES: list[tuple[int, str, str]] = [
         errors.GraphValidationError, errors.PassError,
     )),
     (INTERNAL_ERROR, "", "unexpected internal error (a bnrewrite bug: please report it)"),
-    (INTERRUPTED, "", "interrupted (Ctrl-C; SIGHUP 129, SIGTERM 143); nothing was written"),
+    (INTERRUPTED, "", "interrupted (Ctrl-C; 129 for SIGHUP, 143 for SIGTERM); nothing was written, or, if the message says so, every output was"),
 ]
 
 MAIN_EPILOG = """\
@@ -96,8 +96,10 @@ examples:
   bnrewrite convert worker.pb synced.pb --backend collective --workers 4 --task-index 1
 
 Nothing is written unless every step succeeds: outputs are staged beside their targets and
-renamed into place at the end. OUT must not exist unless --force is given, and may never be
-IN. convert never runs the graph; --verify only imports the result into TensorFlow.
+moved into place together at the end (or, on any failure or interrupt, none of them). OUT,
+--report, --dot and --tensorboard must not exist unless --force is given, and --force
+replaces only what bnrewrite writes there (a file, a SavedModel, its own TensorBoard runs);
+OUT may never be IN. convert never runs the graph; --verify only imports the result.
 """
 
 INSPECT_EPILOG = """\
@@ -155,14 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
     out = convert.add_argument_group("output")
     out.add_argument("--format", choices=["pb", "pbtxt", "meta", "metatxt", "savedmodel"],
                      help="OUT's format (default: IN's); pb/pbtxt = GraphDef, meta/metatxt = MetaGraphDef")
-    out.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    out.add_argument("--force", action="store_true",
+                     help="replace OUT, --report, --dot, --tensorboard if they exist and hold what bnrewrite writes there")
     out.add_argument("--dry-run", action="store_true", help="do everything but write OUT (--report, --dot, --tensorboard are still written)")
     out.add_argument("--verify", action="store_true", help="import the result into TensorFlow (never run it) and fail if it does not import")
     out.add_argument("--report", metavar="FILE.json", help="write the report as JSON (schema: README.md, 'Report schema')")
     out.add_argument("--dot", metavar="FILE", help="write a picture of one rewritten layer before/after: .dot/.gv (Graphviz text), "
                      ".svg/.png (rendered by Graphviz's dot, else by the graphviz-pure dependency)")
     out.add_argument("--dot-layer", metavar="LAYER", help="the layer --dot draws (default: the first one)")
-    out.add_argument("--tensorboard", metavar="LOGDIR", help="write the graphs before and after as TensorBoard runs LOGDIR/before and LOGDIR/after")
+    out.add_argument("--tensorboard", metavar="LOGDIR", help="write the graphs before and after as TensorBoard runs LOGDIR/before and LOGDIR/after "
+                     "(a new directory, or with --force one bnrewrite wrote)")
     _verbosity(convert)
     convert.set_defaults(func=cmd_convert)
 

@@ -269,7 +269,7 @@ def _signalled_runs(files, work) -> list[tuple]:
         scene = work / signal.Signals(signum).name
         shutil.copytree(files.saved, scene / "out")
         _put(scene / "r.json", b"old report")
-        scenes.append((str(source), str(scene), signum, 0.05))
+        scenes.append((str(source), str(scene), signum, 0.0 if signum == signal.SIGINT else 0.02))
     with ThreadPoolExecutor(len(scenes)) as pool:
         results = list(pool.map(lambda a: _signalled_run(*a), scenes))
     return [(signum, *result) for (_, _, signum, _), result in zip(scenes, results)]

@@ -125,7 +125,10 @@ def model_tree(root: str) -> list[tuple[str, str, str]]:
             if not relative and name in (SAVED_MODEL_PB, SAVED_MODEL_PBTXT, FINGERPRINT):
                 continue
             full = os.path.join(root, rel)
-            mode = os.lstat(full).st_mode
+            try:
+                mode = os.lstat(full).st_mode
+            except OSError as exc:
+                raise InputFormatError(f"cannot read {shown(full)}: {exc.strerror or exc}") from None
             if stat.S_ISLNK(mode):
                 entries.append((rel, "link", _inside_link(root, real_root, rel)))
             elif stat.S_ISDIR(mode):
