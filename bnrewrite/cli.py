@@ -12,7 +12,9 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -37,7 +39,7 @@ EXIT_CODES: list[tuple[int, str, str]] = [
         errors.GraphValidationError, errors.PassError,
     )),
     (INTERNAL_ERROR, "", "unexpected internal error (a bnrewrite bug: please report it)"),
-    (INTERRUPTED, "", "interrupted (Ctrl-C); nothing was written"),
+    (INTERRUPTED, "", "interrupted (Ctrl-C; 129 for SIGHUP, 143 for SIGTERM); nothing was written, or, if the message says so, every output was"),
 ]
 
 MAIN_EPILOG = """\
@@ -94,8 +96,10 @@ examples:
   bnrewrite convert worker.pb synced.pb --backend collective --workers 4 --task-index 1
 
 Nothing is written unless every step succeeds: outputs are staged beside their targets and
-renamed into place at the end. OUT must not exist unless --force is given, and may never be
-IN. convert never runs the graph; --verify only imports the result into TensorFlow.
+moved into place together at the end (or, on any failure or interrupt, none of them). OUT,
+--report, --dot and --tensorboard must not exist unless --force is given, and --force
+replaces only what bnrewrite writes there (a file, a SavedModel, its own TensorBoard runs);
+OUT may never be IN. convert never runs the graph; --verify only imports the result.
 """
 
 INSPECT_EPILOG = """\
@@ -153,14 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
     out = convert.add_argument_group("output")
     out.add_argument("--format", choices=["pb", "pbtxt", "meta", "metatxt", "savedmodel"],
                      help="OUT's format (default: IN's); pb/pbtxt = GraphDef, meta/metatxt = MetaGraphDef")
-    out.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    out.add_argument("--force", action="store_true",
+                     help="replace OUT, --report, --dot, --tensorboard if they exist and hold what bnrewrite writes there")
     out.add_argument("--dry-run", action="store_true", help="do everything but write OUT (--report, --dot, --tensorboard are still written)")
     out.add_argument("--verify", action="store_true", help="import the result into TensorFlow (never run it) and fail if it does not import")
     out.add_argument("--report", metavar="FILE.json", help="write the report as JSON (schema: README.md, 'Report schema')")
     out.add_argument("--dot", metavar="FILE", help="write a picture of one rewritten layer before/after: .dot/.gv (Graphviz text), "
                      ".svg/.png (rendered by Graphviz's dot, else by the graphviz-pure dependency)")
     out.add_argument("--dot-layer", metavar="LAYER", help="the layer --dot draws (default: the first one)")
-    out.add_argument("--tensorboard", metavar="LOGDIR", help="write the graphs before and after as TensorBoard runs LOGDIR/before and LOGDIR/after")
+    out.add_argument("--tensorboard", metavar="LOGDIR", help="write the graphs before and after as TensorBoard runs LOGDIR/before and LOGDIR/after "
+                     "(a new directory, or with --force one bnrewrite wrote)")
     _verbosity(convert)
     convert.set_defaults(func=cmd_convert)
 
@@ -263,14 +269,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE
     if not args.verbose:
         _quiet_tensorflow()
+    previous = _stop_on_signals()
     try:
         return int(args.func(args) or 0)
     except BnRewriteError as exc:
         _print_error(cli_wording(str(exc)))
         return exc.exit_code
-    except KeyboardInterrupt:
-        _print_error("interrupted; nothing was written")
-        return INTERRUPTED
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        outputs = getattr(args, "outputs", None)
+        what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        if outputs is not None and outputs.committed:
+            _print_error(f"{what} after every output was written (they are complete)")
+        else:
+            _print_error(f"{what}; nothing was written")
+        return 128 + signum
     except BrokenPipeError:
         _silence_stdout()
         return 0
@@ -282,6 +295,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             "(a bnrewrite bug: please report it with the command you ran; -v shows the traceback)"
         )
         return INTERNAL_ERROR
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C's KeyboardInterrupt so that every output staged
+    so far is removed on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum: int, _frame: Any) -> None:
+    raise Stopped(signum)
+
+
+def _stop_on_signals() -> dict[int, Any]:
+    """SIGTERM and SIGHUP unwind like Ctrl-C (unless ignored, e.g. under nohup); the handlers
+    they had, to put back."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is not threading.main_thread():
+        return previous
+    for name in ("SIGTERM", "SIGHUP"):
+        signum = getattr(signal, name, None)
+        if signum is not None and signal.getsignal(signum) is signal.SIG_DFL:
+            previous[signum] = signal.signal(signum, _stop)
+    return previous
 
 
 #: The keyword arguments of rewrite_graph and check -> the options that set them.
@@ -425,14 +467,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     # Everything that needs no TensorFlow first, so that these mistakes fail fast.
     io.check_input(args.input)
-    io.check_output(args.output, [args.input], args.force, "OUT")
+    out_format = args.format or ("savedmodel" if os.path.isdir(args.input) else "file")
+    io.check_output(args.output, [args.input], args.force, "OUT", io.SAVED_MODEL if out_format == "savedmodel" else io.FILE)
     extra = [(flag, path) for flag, path in (("--report", args.report), ("--dot", args.dot), ("--tensorboard", args.tensorboard)) if path]
-    for flag, path in extra:
-        io.check_output(path, [args.input], force=True, what=flag)
-        if not args.dry_run and io.same_or_nested(path, args.output):
-            raise OutputError(f"{flag} {path} overlaps OUT {args.output}; write it somewhere else")
-    if args.tensorboard and os.path.exists(args.tensorboard) and not os.path.isdir(args.tensorboard):
-        raise OutputError(f"--tensorboard {args.tensorboard} is a file, not a directory; choose a log directory")
+    written = ([] if args.dry_run else [("OUT", args.output)]) + extra
+    for k, (flag, path) in enumerate(written):
+        if flag != "OUT":
+            io.check_output(path, [args.input], args.force, flag, io.LOGDIR if flag == "--tensorboard" else io.FILE)
+        for other_flag, other in written[:k]:
+            if io.same_or_nested(path, other):
+                raise OutputError(f"{flag} {path} overlaps {other_flag} {other}; write it somewhere else")
     if args.dot:
         from bnrewrite import visualize
 
@@ -443,19 +487,21 @@ def cmd_convert(args: argparse.Namespace) -> int:
     model = io.load(args.input)
     out.verbose(f"loaded {args.input}: {model.description}, {_entries_summary(model)} ({time.perf_counter() - start:.1f}s)")
     chosen = io.select(model, tag_sets)
+    io.output_entries(model, args.format or model.format, chosen)
     rewrite = io.rewrite(model, tag_sets, **_options(args))
-    result = io.as_format(rewrite.model, args.format or model.format, [o.entry for o in rewrite.outcomes if o.report])
+    result = io.as_format(rewrite.model, args.format or model.format, chosen)
     verified = 0
     if args.verify:
         verified = io.verify(rewrite)
 
     notes: list[str] = []
-    with io.Outputs() as outputs:
+    args.outputs = io.Outputs(force=args.force)  # main() tells from it whether an interrupt came after the commit
+    with args.outputs as outputs:
         if not args.dry_run:
             notes += io.stage_model(outputs, result, args.output)
         if args.report:
             document = _document("convert", args, model, rewrite, result, written=not args.dry_run, verified=bool(args.verify))
-            outputs.stage_bytes(args.report, (json.dumps(document, indent=2) + "\n").encode())
+            outputs.stage_bytes(args.report, (json.dumps(document, indent=2) + "\n").encode(), "--report")
         if args.dot:
             from bnrewrite import visualize
 
@@ -465,7 +511,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             from bnrewrite import visualize
 
             visualize.stage_tensorboard(outputs, args.tensorboard, rewrite)
-        outputs.commit()
+        notes += outputs.commit()
 
     for outcome in rewrite.outcomes:
         _print_outcome(out, outcome, multiple=model.is_saved_model)

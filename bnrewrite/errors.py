@@ -55,7 +55,7 @@ class BackendError(BnRewriteError):
 
 
 class OutputError(BnRewriteError):
-    """The output path is unusable: it exists, equals the input, or cannot be written."""
+    """An output path is unusable: it exists, holds what bnrewrite does not replace, is the input, or cannot be written."""
 
     exit_code = 10
 

@@ -191,9 +191,9 @@ def stage(outputs: Any, path: str, rewrite: Any, layer: str | None) -> str:
     text = layer_dot(outcome.entry.graph_def, outcome.result.graph_def, outcome.report, row.layer)
     ext = os.path.splitext(path)[1].lower()
     if ext in _RENDERED:
-        outputs.stage_bytes(path, _render(text, path))
+        outputs.stage_bytes(path, _render(text, path), "--dot")
         return f"{path}: layer {row.layer} before/after"
-    outputs.stage_bytes(path, text.encode())
+    outputs.stage_bytes(path, text.encode(), "--dot")
     return (f"{path}: layer {row.layer} before/after as Graphviz DOT text; "
             f"for a picture pass --dot {os.path.splitext(path)[0]}.svg (or .png)")
 
@@ -386,18 +386,24 @@ def _cluster(tag: str, title: str, nodes: dict[str, Any], core: list[str], remov
 
 
 def stage_tensorboard(outputs: Any, logdir: str, rewrite: Any) -> None:
-    """Runs LOGDIR/before and LOGDIR/after (one subdirectory per MetaGraph of a SavedModel)."""
+    """The directory LOGDIR holding runs before/ and after/ (one subdirectory per MetaGraph of
+    a SavedModel), staged as one output: with --force it replaces only a directory of that shape."""
+    from bnrewrite.io.staging import LOGDIR
+
     graphs = [(o.entry, o.result) for o in rewrite.outcomes if o.result is not None]
     if not graphs:
         raise BnRewriteError("--tensorboard: no graph was rewritten, so there is nothing to show")
-    outputs.make_dir(logdir)
-    for run, pick in (("before", 0), ("after", 1)):
-        def build(directory: str, pick: int = pick) -> None:
+
+    def build(directory: str) -> None:
+        for run, pick in (("before", 0), ("after", 1)):
             for pair in graphs:
                 entry = pair[0]
-                where = directory if entry.tags is None else os.path.join(directory, "_".join(entry.tags) or "untagged")
+                where = os.path.join(directory, run)
+                if entry.tags is not None:
+                    where = os.path.join(where, "_".join(entry.tags) or "untagged")
                 _write_events(where, pair[pick].graph_def)
-        outputs.stage_dir(os.path.join(logdir, run), build)
+
+    outputs.stage_dir(logdir, build, LOGDIR, "--tensorboard")
 
 
 def _write_events(directory: str, graph_def: Any) -> None:

@@ -241,3 +241,31 @@ def tree_digest(path: str) -> dict[str, str]:
             with open(full, "rb") as f:
                 digests[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
     return digests
+
+
+def tree_snapshot(path: str) -> dict[str, str]:
+    """Everything at and under `path`, links not followed: relative name -> kind and content
+    ("dir", "file <sha256>", "link <target>", "fifo", "other"); {} when nothing is there."""
+    import hashlib
+    import stat
+
+    def entry(full: str) -> str:
+        mode = os.lstat(full).st_mode
+        if stat.S_ISLNK(mode):
+            return f"link {os.readlink(full)}"
+        if stat.S_ISDIR(mode):
+            return "dir"
+        if stat.S_ISREG(mode):
+            with open(full, "rb") as f:
+                return f"file {hashlib.sha256(f.read()).hexdigest()}"
+        return "fifo" if stat.S_ISFIFO(mode) else "other"
+
+    if not os.path.lexists(path):
+        return {}
+    snapshot = {".": entry(path)}
+    if snapshot["."] == "dir":
+        for root, dirs, files in os.walk(path):
+            for name in dirs + files:
+                full = os.path.join(root, name)
+                snapshot[os.path.relpath(full, path)] = entry(full)
+    return snapshot

@@ -272,7 +272,7 @@ def _bad_cases(files, work: str) -> dict:
         "already_rewritten": ([os.path.join(inputs, "synced.pb"), "{out}"], 8, "already rewritten"),
         "nccl_on_cpu": ([files.pb, "{out}", "--backend", "nccl"], 9, r"GPU.*; use --backend local \(or --backend collective across workers\)$"),
         "out_equals_in": ([files.pb, files.pb, "--force"], 10, "is the input"),
-        "out_exists": ([files.pb, "{existing}"], 10, "already exists; pass --force"),
+        "out_exists": ([files.pb, "{existing}"], 10, r"already exists \(a regular file\); pass --force"),
         "out_dir_unwritable": ([files.pb, os.path.join(inputs, "a_file", "out.pb")], 10, "not a directory"),
         "out_dir_missing": ([files.pb, os.path.join(work, "no", "such", "dir", "out.pb")], 10, "does not exist"),
         "tag_missing": ([files.saved, "{out}", "--tags", "nope"], 3, r"no MetaGraph tagged \[nope\]"),

@@ -338,7 +338,7 @@ def test_failed_write_leaves_nothing(tmp_path):
         (open(os.path.join(directory, "half"), "wb")).write(b"partial")
         raise OSError(28, "No space left on device")
 
-    with pytest.raises(OutputError, match="No space left"), io.Outputs() as outputs:
+    with pytest.raises(OutputError, match="No space left"), io.Outputs(force=True) as outputs:
         outputs.stage_bytes(str(existing), b"new")
         outputs.stage_dir(str(target), explode)
         outputs.commit()
@@ -346,15 +346,15 @@ def test_failed_write_leaves_nothing(tmp_path):
     assert existing.read_bytes() == b"old"
 
 
-def test_force_replaces_files_and_directories(tmp_path):
+def test_force_replaces_only_what_bnrewrite_writes(tmp_path):
+    """A file replaces a file, a SavedModel a SavedModel (with force); a file never a directory."""
     target = tmp_path / "out"
     target.mkdir()
-    (target / "old.txt").write_text("old")
-    with io.Outputs() as outputs:
+    (target / "saved_model.pb").write_text("old")
+    with pytest.raises(OutputError, match=r"is a SavedModel directory; bnrewrite replaces only a regular file"), \
+            io.Outputs(force=True) as outputs:
         outputs.stage_bytes(str(target), b"file now")
-        outputs.commit()
-    assert target.read_bytes() == b"file now"
-    with io.Outputs() as outputs:
+    with io.Outputs(force=True) as outputs:
         outputs.stage_dir(str(target), lambda d: open(os.path.join(d, "new.txt"), "w").write("new"))
         outputs.commit()
     assert os.listdir(target) == ["new.txt"]

@@ -7,21 +7,21 @@ Protocol buffers are parsed and written only in this package:
 - `load`: reading a model (path checks first, no TensorFlow needed for them) and validating it
 - `convert`: rewriting a model MetaGraph by MetaGraph (--tags), signatures kept resolving
 - `save`: output formats, serialising, staging a SavedModel directory
-- `staging`: atomic, all-or-nothing writes (staged beside the target, renamed in at commit)
+- `staging`: what may be replaced, and all-or-nothing writes (staged beside the targets, committed with rollback)
 - `verify`: --verify, importing each rewritten graph into TensorFlow
 """
 
 from bnrewrite.io.convert import located, meta_references, nothing_rewritten, parse_tags, rewrite, select
 from bnrewrite.io.load import check_input, load, make_model, validate
 from bnrewrite.io.model import DESCRIPTIONS, FORMATS, Entry, Model, Outcome, Rewrite
-from bnrewrite.io.save import as_format, serialize, stage_model
+from bnrewrite.io.save import as_format, model_tree, output_entries, serialize, stage_model
 from bnrewrite.io.sniff import parse_bytes
-from bnrewrite.io.staging import Outputs, check_output, same_or_nested
+from bnrewrite.io.staging import FILE, LOGDIR, SAVED_MODEL, Outputs, check_output, same_or_nested
 from bnrewrite.io.verify import import_check, verify
 
 __all__ = [
-    "DESCRIPTIONS", "FORMATS", "Entry", "Model", "Outcome", "Outputs", "Rewrite", "as_format", "check_input",
-    "check_output", "import_check", "load", "located", "make_model", "meta_references", "nothing_rewritten",
-    "parse_bytes", "parse_tags", "rewrite", "same_or_nested", "select", "serialize", "stage_model", "validate",
-    "verify",
+    "DESCRIPTIONS", "FILE", "FORMATS", "LOGDIR", "SAVED_MODEL", "Entry", "Model", "Outcome", "Outputs", "Rewrite",
+    "as_format", "check_input", "check_output", "import_check", "load", "located", "make_model", "meta_references",
+    "model_tree", "nothing_rewritten", "output_entries", "parse_bytes", "parse_tags", "rewrite", "same_or_nested",
+    "select", "serialize", "stage_model", "validate", "verify",
 ]

@@ -31,9 +31,11 @@ def verify(rewrite: Rewrite) -> int:
         error = import_check(outcome.result)
         if error is not None:
             where = f"MetaGraph {outcome.entry.label}: " if outcome.entry.tags is not None else ""
-            if import_check(outcome.entry) is not None:
+            own = import_check(outcome.entry)
+            if own is not None:
                 raise InputFormatError(
-                    f"{where}the input graph itself does not import into TensorFlow ({error}); fix or re-export it"
+                    f"{where}the rewritten graph does not import into TensorFlow, and neither does the input graph "
+                    f"itself ({own}); fix or re-export the input"
                 )
             raise PassError(f"{where}the rewritten graph does not import into TensorFlow ({error}); nothing was written (a bnrewrite bug: please report it)")
         checked += 1

@@ -1,0 +1,287 @@
+"""What `convert` may write and replace (docs/outputs.md), and that its outputs commit all
+together or not at all: the path rule for OUT, --report, --dot and --tensorboard, SavedModel
+links, fault injection at every step of the commit (tests/commit_faults.py, in a subprocess)
+and real signals while the outputs are written."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from model_files import cached_models, tree_snapshot
+
+from bnrewrite import cli, io
+from bnrewrite.errors import InputFormatError, PassError
+from bnrewrite.io.staging import OLD_PREFIX, TEMP_PREFIX
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]),
+       "TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+@pytest.fixture(scope="module")
+def files():
+    return cached_models()
+
+
+def convert(capsys, *args: str) -> tuple[int, str, str]:
+    code = cli.main(["convert", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _put(path, data: bytes = b"precious") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def _leftovers(directory) -> list[str]:
+    return [n for n in os.listdir(directory) if n.startswith((TEMP_PREFIX, OLD_PREFIX))]
+
+
+# ---------------------------------------------------------------------------
+# The rule: what is at a path decides whether it may be replaced
+# ---------------------------------------------------------------------------
+
+
+def _setup_rule_case(name: str, tmp, files) -> tuple[list[str], int, str]:
+    """Make what case `name` finds on disk; (convert's arguments, exit code, message)."""
+    pb, out = files.pb, str(tmp / "o.pb")
+    if name == "report_is_a_directory":
+        _put(tmp / "v" / "sub" / "d.txt")
+        return [pb, out, "--report", str(tmp / "v")], 10, r"--report \S+/v is a directory of 1 entry \(sub\); bnrewrite replaces only a regular file"
+    if name == "dot_is_a_directory_even_with_force":
+        _put(tmp / "v.dot" / "d.txt")
+        return [pb, out, "--dot", str(tmp / "v.dot"), "--force"], 10, r"--dot \S+ is a directory of 1 entry \(d.txt\)"
+    if name == "tensorboard_is_another_directory":
+        _put(tmp / "logs" / "my_run" / "events.out.tfevents.1.host")
+        return [pb, out, "--tensorboard", str(tmp / "logs"), "--force"], 10, r"--tensorboard \S+ is a directory of 1 entry \(my_run\); bnrewrite replaces only a TensorBoard directory"
+    if name == "tensorboard_own_without_force":
+        _put(tmp / "logs" / "before" / "events.out.tfevents.1.old")
+        return [pb, out, "--tensorboard", str(tmp / "logs")], 10, r"already exists \(a directory of 1 entry \(before\)\); pass --force"
+    if name == "out_is_a_directory_even_with_force":
+        _put(tmp / "d" / "x" / "y")
+        return [files.saved, str(tmp / "d"), "--force"], 10, r"OUT \S+/d is a directory of 1 entry \(x\); bnrewrite replaces only a SavedModel directory"
+    if name == "out_is_a_fifo":
+        os.mkfifo(tmp / "f.pb")
+        return [pb, str(tmp / "f.pb"), "--force"], 10, r"OUT \S+ is a FIFO; bnrewrite replaces only a regular file"
+    if name == "out_is_a_symlink":
+        _put(tmp / "elsewhere.pb")
+        os.symlink("elsewhere.pb", tmp / "link.pb")
+        return [pb, str(tmp / "link.pb"), "--force"], 10, r"OUT \S+ is a symbolic link to elsewhere.pb; bnrewrite replaces only a regular file"
+    if name == "report_exists_without_force":
+        _put(tmp / "r.json")
+        return [pb, out, "--report", str(tmp / "r.json")], 10, r"--report \S+ already exists \(a regular file\); pass --force"
+    if name == "report_and_dot_are_one_path":
+        return [pb, out, "--report", str(tmp / "x.dot"), "--dot", str(tmp / "x.dot")], 10, r"--dot \S+ overlaps --report"
+    if name == "format_pb_from_two_metagraphs":
+        return [files.saved, out, "--format", "pb"], 1, r"--format pb writes one GraphDef, but 2 MetaGraphs are selected \(\[train\], \[serve\]\); pick one with --tags"
+    raise AssertionError(name)
+
+
+RULE_CASES = [
+    "report_is_a_directory", "dot_is_a_directory_even_with_force", "tensorboard_is_another_directory",
+    "tensorboard_own_without_force", "out_is_a_directory_even_with_force", "out_is_a_fifo", "out_is_a_symlink",
+    "report_exists_without_force", "report_and_dot_are_one_path", "format_pb_from_two_metagraphs",
+]
+
+
+@pytest.mark.parametrize("name", RULE_CASES)
+def test_refused_and_nothing_touched(files, tmp_path, capsys, name):
+    args, code, message = _setup_rule_case(name, tmp_path, files)
+    before = tree_snapshot(str(tmp_path))
+    got, out, err = convert(capsys, *args)
+    lines = err.splitlines()
+    assert got == code and len(lines) == 1 and re.search(message, lines[0]), (got, err)
+    assert out == "" and "[" not in lines[0].replace("[train]", "").replace("[serve]", "")
+    assert tree_snapshot(str(tmp_path)) == before, "something was written, replaced or deleted"
+
+
+def test_force_replaces_what_bnrewrite_writes(files, tmp_path, capsys):
+    """With --force: a file over a file, a SavedModel over a SavedModel, TensorBoard runs over
+    the runs bnrewrite wrote; without it the same paths are refused (above)."""
+    shutil.copytree(files.saved, tmp_path / "out")
+    _put(tmp_path / "out" / "old.txt")
+    _put(tmp_path / "r.json", b"old")
+    _put(tmp_path / "d.dot", b"old")
+    for run in ("before", "after"):
+        _put(tmp_path / "tb" / run / "train" / "events.out.tfevents.1.old")
+    code, _, err = convert(capsys, files.saved, str(tmp_path / "out"), "--tags", "train", "--force",
+                           "--report", str(tmp_path / "r.json"), "--dot", str(tmp_path / "d.dot"),
+                           "--tensorboard", str(tmp_path / "tb"))
+    assert code == 0, err
+    assert sorted(os.listdir(tmp_path / "out")) == ["assets", "saved_model.pb", "variables"]
+    assert json.loads((tmp_path / "r.json").read_text())["output"]["written"] is True
+    assert (tmp_path / "d.dot").read_text().startswith("digraph")
+    for run in ("before", "after"):
+        (events,) = os.listdir(tmp_path / "tb" / run / "train")
+        assert events.startswith("events.out.tfevents.") and not events.endswith(".old")
+    assert _leftovers(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------
+# SavedModel links: inside ones kept (relative), outside ones refused
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def model_copy(files, tmp_path):
+    shutil.copytree(files.saved, tmp_path / "model")
+    return tmp_path / "model"
+
+
+@pytest.mark.parametrize("link,target,message", [
+    ("assets/ext", "../../outside", r"assets/ext is a link to \.\./\.\./outside, outside the model directory"),
+    ("parent", "..", r"parent is a link to \.\., outside the model directory"),  # OUT's parent: no recursion
+    ("assets/gone.txt", "nothing_here.txt", r"assets/gone.txt is a broken link"),
+])
+def test_saved_model_links_that_leave_it_are_refused(model_copy, tmp_path, capsys, link, target, message):
+    _put(tmp_path / "outside" / "secret.txt")
+    os.symlink(target, model_copy / link)
+    before = tree_snapshot(str(tmp_path))
+    code, out, err = convert(capsys, str(model_copy), str(tmp_path / "out"), "--tags", "train")
+    assert code == 3 and re.search(message, err), err
+    assert tree_snapshot(str(tmp_path)) == before
+
+
+def test_saved_model_links_inside_it_stay_links(model_copy, tmp_path, capsys):
+    os.symlink("vocab.txt", model_copy / "assets" / "alias.txt")
+    os.symlink("../variables", model_copy / "assets" / "vars")
+    os.symlink(".", model_copy / "assets" / "self")
+    os.symlink(str(model_copy / "assets" / "vocab.txt"), model_copy / "absolute.txt")
+    code, _, err = convert(capsys, str(model_copy), str(tmp_path / "out"), "--tags", "train")
+    assert code == 0, err
+    out = tmp_path / "out"
+    assert {name: os.readlink(out / name) for name in ("assets/alias.txt", "assets/vars", "assets/self", "absolute.txt")} == {
+        "assets/alias.txt": "vocab.txt", "assets/vars": "../variables", "assets/self": ".", "absolute.txt": "assets/vocab.txt"}
+    assert (out / "absolute.txt").read_bytes() == (model_copy / "assets" / "vocab.txt").read_bytes()
+    assert sorted(os.listdir(out / "assets" / "vars")) == sorted(os.listdir(model_copy / "variables"))
+    assert os.path.realpath(out / "assets" / "vars").startswith(str(out))
+
+
+def test_special_file_inside_a_saved_model_is_an_input_error(model_copy, tmp_path, capsys):
+    os.mkfifo(model_copy / "assets" / "pipe")
+    code, _, err = convert(capsys, str(model_copy), str(tmp_path / "out"), "--tags", "train")
+    assert code == 3 and re.search(r"SavedModel \S+ holds assets/pipe, a FIFO; a SavedModel holds only", err), err
+    assert "[" not in err and not os.path.exists(tmp_path / "out") and _leftovers(tmp_path) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_file_inside_a_saved_model_is_an_input_error(model_copy, tmp_path, capsys):
+    locked = model_copy / "assets" / "vocab.txt"
+    locked.chmod(0)
+    try:
+        code, _, err = convert(capsys, str(model_copy), str(tmp_path / "out"), "--tags", "train")
+    finally:
+        locked.chmod(0o644)
+    assert code == 3 and re.search(r"cannot read \S+vocab.txt: Permission denied", err), err
+    assert not os.path.exists(tmp_path / "out") and _leftovers(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------
+# --verify names the graph that does not import
+# ---------------------------------------------------------------------------
+
+
+def test_verify_says_which_graph_fails(files):
+    """A node of an op TensorFlow does not know, beside the towers: the rewritten graph does not
+    import, and neither does the input; the message says both, with the input's own error."""
+    model = io.load(files.pb)
+    stray = model.entries[0].graph_def.node.add()
+    stray.name, stray.op = "stray", "NoSuchOpInTensorFlow"
+    rewrite = io.rewrite(model)
+    with pytest.raises(InputFormatError, match=r"the rewritten graph does not import into TensorFlow, and neither "
+                                               r"does the input graph itself \(.*NoSuchOpInTensorFlow.*\); fix or re-export the input"):
+        io.verify(rewrite)
+    fresh = io.rewrite(io.load(files.pb))  # the input imports; its rewrite, given a dangling input, does not
+    fresh.outcomes[0].result.graph_def.node[0].input.append("no_such_node")
+    with pytest.raises(PassError, match=r"the rewritten graph does not import into TensorFlow \(.*no_such_node"):
+        io.verify(fresh)
+
+
+# ---------------------------------------------------------------------------
+# All or nothing: faults at every commit step, real signals while writing
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def all_or_nothing(files, tmp_path_factory):
+    """The fault-injection run (commit_faults.py) and the signalled runs, side by side:
+    (its JSON summary, [(signal, scene, exit code, stderr, before, after)])."""
+    work = tmp_path_factory.mktemp("faults")
+    faults = subprocess.Popen([sys.executable, os.path.join(TESTS, "commit_faults.py"), files.root, str(work / "commit")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        signalled = _signalled_runs(files, work / "signals")
+        out, err = faults.communicate(timeout=300)
+    finally:
+        faults.kill()
+    assert faults.returncode == 0, err[-3000:]
+    return json.loads(out), signalled
+
+
+def test_every_fault_at_every_commit_step(all_or_nothing):
+    summary, _ = all_or_nothing
+    assert summary["bad"] == [], "\n".join(summary["bad"][:10])
+    steps = summary["steps"]
+    # The scenes' commits: each of 4 (2) old outputs moved aside, each new one moved in, old copies removed.
+    assert steps["scene_saved_model"]["os.rename"] >= 4 and steps["scene_graph_file"]["os.link"] == 2
+    assert summary["trials"] == 5 * sum(sum(s.values()) for s in steps.values()) >= 90
+    assert summary["outcomes"]["before"] > 0 and summary["outcomes"]["new"] > 0
+    assert summary["inputs_untouched"]
+
+
+def _signalled_run(source: str, scene: str, signum: int, delay: float) -> tuple[int, str, dict, dict]:
+    """convert `source` into `scene` (old outputs there, --force); send `signum` `delay`
+    seconds after the first staged name appears. (exit code, stderr, before, after)."""
+    before = tree_snapshot(scene)
+    argv = [sys.executable, "-m", "bnrewrite", "convert", source, os.path.join(scene, "out"), "--tags", "train",
+            "--force", "--report", os.path.join(scene, "r.json")]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if any(n.startswith(TEMP_PREFIX) for n in os.listdir(scene)):
+            time.sleep(delay)
+            proc.send_signal(signum)
+            break
+        time.sleep(0.002)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err, before, tree_snapshot(scene)
+
+
+def _signalled_runs(files, work) -> list[tuple]:
+    """SIGINT and SIGTERM while a SavedModel with 3,000 asset files is being copied."""
+    source = work / "model"
+    shutil.copytree(files.saved, source)
+    for k in range(3000):
+        _put(source / "assets" / "many" / f"{k}.txt", os.urandom(256))
+    scenes = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        scene = work / signal.Signals(signum).name
+        shutil.copytree(files.saved, scene / "out")
+        _put(scene / "r.json", b"old report")
+        scenes.append((str(source), str(scene), signum, 0.0 if signum == signal.SIGINT else 0.02))
+    with ThreadPoolExecutor(len(scenes)) as pool:
+        results = list(pool.map(lambda a: _signalled_run(*a), scenes))
+    return [(signum, *result) for (_, _, signum, _), result in zip(scenes, results)]
+
+
+def test_real_signals_while_writing(all_or_nothing):
+    """The process unwinds, says nothing was written, and every path is as it was, no temporary
+    left. (SIGHUP takes SIGTERM's path; commit_faults.py sends all three at every commit step.)"""
+    _, signalled = all_or_nothing
+    for signum, code, err, before, after in signalled:
+        name = signal.Signals(signum).name
+        assert code == 128 + signum, (name, code, err)
+        assert err.splitlines() == [f"bnrewrite: error: {'interrupted' if signum == signal.SIGINT else 'stopped by ' + name}; "
+                                    "nothing was written"], err
+        assert after == before, f"{name}: {sorted(set(after.items()) ^ set(before.items()))[:5]}"
