@@ -162,6 +162,12 @@ def _rewrite(
             f"{unsized} layer(s) on CPU towers: elementwise passes, as the graph records no static shapes (fused "
             f"kernels, faster from {KERNEL_MIN_ELEMENTS} elements per tower, need them: "
             "convert a .meta or pass a tf.Graph)")
+    devices = [site.device for site in plan.groups[0].sites]
+    if len(set(devices)) < len(devices):
+        report.notes.append(
+            f"towers {', '.join(plan.towers.ids)} share a device or name none "
+            f"({', '.join(sorted({str(d) or '(no device)' for d in devices}))}): synchronized by one local sum; "
+            "nccl and collective need a device per tower")
     if options.num_workers > 1:
         report.notes.append(
             f"worker {options.task_index} of {options.num_workers}: every all-reduce spans all workers' towers; "

@@ -117,6 +117,7 @@ def test_clones_on_one_device_train_like_one_device(k: int, fused: bool, placeme
     assert report.backend == "local" and report.tower_by == "scope"
     assert report.towers == [f"clone_{i}" for i in range(k)]
     assert len(report.layers) == 2 and not report.skipped
+    assert any("share a device or name none" in note for note in report.notes), report.notes
     _assert_statistics_updated(synced, initial, expected)
     assert_synced(f"clones K={k} {'fused' if fused else 'unfused'} {placement}", synced, unsynced, expected,
                   TOLERANCE)
@@ -160,3 +161,18 @@ def test_train_op_with_one_towers_updates_trains_like_one_device(spec: Spec):
     assert_synced(f"{spec.layer} updates of tower {spec.updates_tower}", synced, unsynced, expected, TOLERANCE)
     moving = [name for name in synced.variables if "moving_" in name or "renorm_" in name]
     assert moving and all(rel_errors(synced, expected)[name] <= TOLERANCE for name in moving)
+
+
+def test_inspect_shows_towers_on_one_device_and_refuses_independent_ones(tmp_path, capsys):
+    """The command line says which towers share a device and why independent towers are refused."""
+    from bnrewrite.cli import main
+
+    shared, apart = tmp_path / "clones.pb", tmp_path / "independent.pb"
+    shared.write_bytes(clones(2, BATCH, True, "cpu0").graph.as_graph_def().SerializeToString())
+    apart.write_bytes(independent(2, BATCH, True).graph.as_graph_def().SerializeToString())
+    assert main(["inspect", str(shared)]) == 0
+    out = capsys.readouterr().out
+    assert "towers (scope): clone_0, clone_1" in out and "share a device or name none (/device:CPU:0)" in out
+    assert main(["inspect", str(apart)]) == NoTowersError.exit_code
+    out = capsys.readouterr().out
+    assert "train independent models" in out and "v0/" in out
