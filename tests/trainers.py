@@ -11,7 +11,9 @@ its tower), same optimizer.
   mean and variance following zero-debiased assign_moving_average (its `biased` and
   `local_step` variables); UPDATE_OPS read for the tower's scope inside the tower loop, so one
   tower's updates are grouped: the last (as inception), the first, the middle one, or the last
-  tower's in a separate op fetched beside the train op ("separate"). Gradients averaged on
+  tower's in a separate op fetched beside the train op ("separate"); or none, every tower's
+  statistics waiting on its own updates ("in_place", TF-Slim's updates_collections=None).
+  Gradients averaged on
   /cpu:0, RMSProp applied once, then an ExponentialMovingAverage of the trainable variables
   (ordered after the apply so every run reads the same weights; inception's own group leaves
   that order to chance).
@@ -42,7 +44,7 @@ from models import NUM_CLASSES, Result, session_config
 tf1 = tf.compat.v1
 IMAGE, CHANNELS, FILTERS = 6, 3, 4
 DECAY, EPSILON = 0.9, 1e-3
-UPDATE_CHOICES = ("last", "first", "middle", "separate")
+UPDATE_CHOICES = ("last", "first", "middle", "separate", "in_place")
 PLACEMENTS = ("cpu0", "none")
 
 
@@ -68,8 +70,10 @@ def _on(device: str | None) -> contextlib.AbstractContextManager:
     return tf.device(device) if device else contextlib.nullcontext()
 
 
-def _moments_batch_norm(x: tf.Tensor, name: str, variables_device: str | None) -> tf.Tensor:
-    """Inception's hand-written batch norm: batch moments, zero-debiased moving averages in UPDATE_OPS."""
+def _moments_batch_norm(x: tf.Tensor, name: str, variables_device: str | None, in_place: bool = False) -> tf.Tensor:
+    """Inception's hand-written batch norm: batch moments, zero-debiased moving averages in
+    UPDATE_OPS; `in_place`: the statistics the layer normalizes with wait on the updates
+    instead (TF-Slim's updates_collections=None)."""
     channels = [x.shape[-1]]
     with tf1.variable_scope(name):
         with _on(variables_device):
@@ -80,9 +84,14 @@ def _moments_batch_norm(x: tf.Tensor, name: str, variables_device: str | None) -
             moving_variance = tf1.get_variable("moving_variance", channels, initializer=tf1.ones_initializer(),
                                                trainable=False)
         mean, variance = tf.nn.moments(x, [0, 1, 2])
-        for update in (assign_moving_average(moving_mean, mean, DECAY, zero_debias=True),
-                       assign_moving_average(moving_variance, variance, DECAY, zero_debias=True)):
-            tf1.add_to_collection(tf1.GraphKeys.UPDATE_OPS, update)
+        updates = [assign_moving_average(moving_mean, mean, DECAY, zero_debias=True),
+                   assign_moving_average(moving_variance, variance, DECAY, zero_debias=True)]
+        if in_place:
+            with tf.control_dependencies(updates):
+                mean, variance = tf.identity(mean), tf.identity(variance)
+        else:
+            for update in updates:
+                tf1.add_to_collection(tf1.GraphKeys.UPDATE_OPS, update)
     return tf.nn.batch_normalization(x, mean, variance, beta, gamma, EPSILON)
 
 
@@ -133,7 +142,7 @@ def _finish(graph: tf.Graph, fetches: list, loss: tf.Tensor, inputs: list) -> Tr
 
 def inception(towers: int, batch: int, updates: str = "last") -> Trainer:
     """The inception multi-GPU trainer; `updates` picks whose batch-norm updates run (UPDATE_CHOICES)."""
-    chosen = {"first": 0, "middle": towers // 2, "last": towers - 1, "separate": towers - 1}[updates]
+    chosen = {"first": 0, "middle": towers // 2, "last": towers - 1, "separate": towers - 1, "in_place": -1}[updates]
     graph = tf.Graph()
     with graph.as_default():
         with tf.device("/cpu:0"):
@@ -147,7 +156,8 @@ def inception(towers: int, batch: int, updates: str = "last") -> Trainer:
                 with tf.device(f"/cpu:{i}"), tf.name_scope(f"tower_{i}") as scope:
                     images, labels = _placeholders(batch)
                     loss = _cross_entropy(labels, _logits(
-                        images, lambda x, name: _moments_batch_norm(x, name, "/cpu:0"), "/cpu:0"))
+                        images, lambda x, name: _moments_batch_norm(x, name, "/cpu:0", updates == "in_place"),
+                        "/cpu:0"))
                     tf1.get_variable_scope().reuse_variables()
                     tower_updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, scope)
                     if i == chosen:
