@@ -8,8 +8,9 @@ rewritten graph's effects are compared with the input's:
    that updated a variable still updates it: once per step for the moving averages the
    towers share (never more), at most as often as before for any other variable (a target
    may come to wait on another tower's copies: synchronized towers wait on each other);
-2. a step (a target that ran every tower's batch-norm gradients: the train op) runs every
-   tower's member of every inserted all-reduce (a member left out hangs the step);
+2. every inserted all-reduce has one member per tower of its group, and a step (a target
+   that ran every tower's batch-norm gradients: the train op) runs every member of every
+   all-reduce (a member left out hangs the step);
 3. a batch-norm gradient that waited on no update waits on none (the backward is not held
    up behind moving averages).
 
@@ -28,7 +29,7 @@ from typing import Iterable
 from bnrewrite.collectives import INSTANCE_ATTR
 from bnrewrite.errors import PassError
 from bnrewrite.functions import in_body
-from bnrewrite.graph import Graph
+from bnrewrite.graph import Graph, NodeDef
 from bnrewrite.match.updates import writers
 from bnrewrite.plan import Plan
 
@@ -134,12 +135,24 @@ def check_meaning(before: Effects, after_graph: Graph, plan: Plan, removed: set[
     waits = [f"{g} now waits on updates of {', '.join(sorted(after.gradient_waits[g]))}"
              for g, was in before.gradient_waits.items() if not was and after.gradient_waits.get(g)]
     _fail_if("a batch-norm gradient that waited on no update waits on none", waits)
-    _check_all_reduces(after_graph, sorted(t for t in before.steps if t in after_graph))
+    _check_all_reduces(after_graph, sorted(t for t in before.steps if t in after_graph), plan.options.num_workers)
 
 
-def _check_all_reduces(graph: Graph, steps: list[str]) -> None:
-    """Every step runs every member of every all-reduce."""
-    members = [node.name for node in graph if INSTANCE_ATTR in node.attr and not in_body(node.name)]
+def _check_all_reduces(graph: Graph, steps: list[str], workers: int) -> None:
+    """Every all-reduce has as many members here as its group has towers in this graph, and
+    every step runs every member of every all-reduce."""
+    groups: dict[str, list[str]] = {}
+    sizes: dict[str, set[int]] = {}
+    for node in graph:
+        if INSTANCE_ATTR in node.attr and not in_body(node.name):
+            key, size = _group(graph, node)
+            groups.setdefault(key, []).append(node.name)
+            sizes.setdefault(key, set()).add(size)
+    _fail_if("every all-reduce has one member per tower of its group", [
+        f"{key} has {len(groups[key])} member(s) here, for a group of {' or '.join(map(str, sorted(sizes[key])))} "
+        f"over {workers} worker(s)"
+        for key in groups if len(sizes[key]) > 1 or len(groups[key]) * workers != min(sizes[key])])
+    members = [name for names in groups.values() for name in names]
     masks = _reach(graph, members)
     every = (1 << len(members)) - 1
     partial = []
@@ -149,6 +162,18 @@ def _check_all_reduces(graph: Graph, steps: list[str]) -> None:
             missing = [member for i, member in enumerate(members) if not mask >> i & 1]
             partial.append(f"{step} does not run {', '.join(missing[:_SHOWN])}")
     _fail_if("a step runs every tower's member of every all-reduce", partial)
+
+
+def _group(graph: Graph, node: NodeDef) -> tuple[str, int]:
+    """The all-reduce a member belongs to (NCCL's shared name, the sum a local member reads, a
+    collective's group and instance keys) and how many members it has over all workers."""
+    if node.op == "NcclAllReduce":
+        return node.attr["shared_name"].s.decode(), node.attr["num_devices"].i
+    if node.op == "CollectiveReduceV2":
+        size, group = (graph.node(graph.producer(node.name, slot)[0]).attr["value"].tensor.int_val[0] for slot in (1, 2))
+        return f"collective group {group} instance {node.attr[INSTANCE_ATTR].i}", size
+    total = graph.producer(node.name, 0)[0]
+    return total, graph.node(total).attr["N"].i
 
 
 def _fail_if(invariant: str, problems: list[str]) -> None:

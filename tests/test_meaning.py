@@ -113,3 +113,17 @@ def test_a_gradient_held_behind_an_update_is_caught(monkeypatch):
     _break(monkeypatch, wait)
     with pytest.raises(PassError, match=r"gradient that waited on no update waits on none.*tower_1/"):
         rewrite_graph(built.graph, backend="collective")
+
+
+def test_an_all_reduce_whose_members_disagree_on_its_group_is_caught(monkeypatch):
+    built, _ = _towers()
+
+    def resize(graph: Graph) -> Graph:
+        """Tower 1's member of one all-reduce told the group has one member more."""
+        member = next(n.name for n in graph if n.op == "CollectiveReduceV2" and n.name.startswith("tower_1/"))
+        size = graph.producer(member, 1)[0]
+        return _edited(graph, lambda editor: editor.mutable(size).attr["value"].tensor.int_val.__setitem__(0, K + 1))
+
+    _break(monkeypatch, resize)
+    with pytest.raises(PassError, match=rf"one member per tower of its group.*{K} member\(s\) here, for a group of {K} or {K + 1}"):
+        rewrite_graph(built.graph, backend="collective")
