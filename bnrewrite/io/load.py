@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 from typing import Any
 
@@ -14,19 +15,25 @@ from bnrewrite.io.model import (
     Model,
     shown,
 )
-from bnrewrite.io.sniff import HEAD_BYTES, empty_error, parse_bytes, sniff_head
+from bnrewrite.io.sniff import HEAD_BYTES, check_binary, empty_error, parse_bytes, sniff_head
 
 
 def check_input(path: str) -> None:
-    """The checks on an input path that need no parsing (and so no TensorFlow)."""
+    """The checks on an input path that need no TensorFlow: the path, then the file's bytes
+    (a walk over their top-level protobuf fields, through an mmap: nothing is read into memory)."""
     where = shown(path)
     if not os.path.lexists(path):
         raise InputFormatError(f"{where} does not exist; check the path")
     if not os.path.exists(path):
         raise InputFormatError(f"{where} is a broken symbolic link; check the path")
     if os.path.isdir(path):
-        _saved_model_graph_file(path)
+        _check_file(os.path.join(path, _saved_model_graph_file(path)))
         return
+    _check_file(path)
+
+
+def _check_file(path: str) -> None:
+    where = shown(path)
     if not os.path.isfile(path):
         raise InputFormatError(f"{where} is not a regular file or a SavedModel directory")
     if not os.access(path, os.R_OK):
@@ -34,6 +41,11 @@ def check_input(path: str) -> None:
     if os.path.getsize(path) == 0:
         raise empty_error(where)
     sniff_head(_read(path, HEAD_BYTES), where)
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            check_binary(data, where)
+    except (OSError, ValueError) as exc:
+        raise InputFormatError(f"cannot read {where}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def load(path: str) -> Model:
