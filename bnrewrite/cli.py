@@ -687,13 +687,15 @@ def _print_plan(out: _Printer, outcome: Any, head: str) -> None:
         out.line("")
         return
     towers = report.towers
-    out.line(f"{head}towers ({report.tower_by}): {', '.join(towers)}")
+    from bnrewrite.match.towers import shown_tower
+
+    out.line(f"{head}towers ({report.tower_by}): {', '.join(map(shown_tower, towers))}")
     out.line(f"layout: {report.layout}")
     if len(report.sync_groups) > 1:
         out.line("sync groups: " + "; ".join("[" + ", ".join(g) + "]" for g in report.sync_groups))
     out.line("batch-norm sites per tower:")
     for k, tower in enumerate(towers):
-        out.line(f"  {tower}:")
+        out.line(f"  {shown_tower(tower)}:")
         for row in report.layers:
             per = len(row.gradients) // max(len(row.towers), 1)
             grads = row.gradients[k * per:(k + 1) * per]
