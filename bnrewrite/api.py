@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import signal
+import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from tensorflow.core.framework import graph_pb2
@@ -64,7 +66,48 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-@_gc_paused()
+@contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """A SIGINT (Ctrl-C) that arrives during the block is held back and raised as
+    KeyboardInterrupt when the block ends, so that the block's steps run all or not at all
+    and the code after knows which. Signals reach Python only in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[tuple[Any, ...]] = []
+    previous = signal.signal(signal.SIGINT, lambda *args: received.append(args))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received and previous is not signal.SIG_IGN:
+            if callable(previous):
+                previous(*received[0])  # Python's default handler raises KeyboardInterrupt
+            else:
+                raise KeyboardInterrupt
+
+
+@dataclass
+class _Undo:
+    """What it takes to put back a GraphDef or MetaGraphDef rewritten in place: its node count
+    before, the graph whose `to_graph_def` changed it, and the collections changed."""
+
+    graph_def: graph_pb2.GraphDef | None  # None: nothing of the caller's is changed
+    size: int = 0
+    graph: Graph | None = None
+    collections: list[tuple[Any, list[str]]] = field(default_factory=list)
+
+    def restore(self) -> None:
+        if self.graph_def is None:
+            return
+        for values, old in reversed(self.collections):
+            del values[:]
+            values.extend(old)
+        if self.graph is not None:
+            self.graph.undo_in_place()
+        del self.graph_def.node[self.size:]  # what the passes appended
+
+
 def rewrite_graph(
     graph: Any,
     backend: str = "auto",
@@ -104,18 +147,20 @@ def rewrite_graph(
         num_workers=num_workers, task_index=task_index,
     )
     graph_def, meta, storage = _as_protos(graph, in_place)
-    size = len(graph_def.node)
+    undo = _Undo(graph_def if storage is graph_def and in_place else None, len(graph_def.node))
     try:
-        return _rewrite(graph_def, meta, storage, options, if_rewritten)
+        with _gc_paused():
+            result = _rewrite(graph_def, meta, storage, options, if_rewritten, undo)
     except BaseException:
-        if storage is graph_def:  # drop what the passes appended; the nodes before change only at the very end
-            del graph_def.node[size:]
+        with _interrupts_deferred():
+            undo.restore()
         raise
+    return result
 
 
 def _rewrite(
     graph_def: graph_pb2.GraphDef, meta: meta_graph_pb2.MetaGraphDef | None, storage: graph_pb2.GraphDef,
-    options: Options, if_rewritten: str,
+    options: Options, if_rewritten: str, undo: _Undo,
 ) -> RewriteResult:
     model = Graph.from_graph_def(graph_def, storage=storage)
     model.validate()  # a dangling input or a cycle in the input is the input's fault, not a pass's
@@ -154,7 +199,6 @@ def _rewrite(
             )
     unsized = sum(kernel_size_unknown(combined, group.sites[0]) for group in plan.groups)
     report = _report(plan, records, census, len(model), len(rewritten))
-    out_def = rewritten.to_graph_def()  # uses `rewritten` (and the storage `combined` reads) up
     if report_note:
         report.notes.append(report_note)
     if unsized:
@@ -169,8 +213,12 @@ def _rewrite(
         )
         if not options.timeout_seconds:
             report.notes.append("no collective timeout: a worker that never joins makes the others wait forever")
-    if meta is not None:
-        _drop_from_collections(meta, {r["node"] for r in report.removed})
+    removed = {r["node"] for r in report.removed}
+    with _interrupts_deferred():  # the caller's GraphDef changes here when in place: in steps undo can take back
+        undo.graph = rewritten
+        out_def = rewritten.to_graph_def()  # uses `rewritten` (and the storage `combined` reads) up
+        if meta is not None:
+            _drop_from_collections(meta, removed, undo.collections)
     return RewriteResult(out_def, meta, report)
 
 
@@ -213,13 +261,17 @@ def _as_protos(
     raise BnRewriteError(f"rewrite_graph takes a tf.Graph, GraphDef or MetaGraphDef, not {type(graph).__name__}")
 
 
-def _drop_from_collections(meta: meta_graph_pb2.MetaGraphDef, removed: set[str]) -> None:
-    """Removed ops leave every collection that listed them."""
+def _drop_from_collections(meta: meta_graph_pb2.MetaGraphDef, removed: set[str], log: list[tuple[Any, list[str]]]) -> None:
+    """Removed ops leave every collection that listed them; `log` gets each changed list and
+    its values before."""
     for collection in meta.collection_def.values():
         if collection.WhichOneof("kind") == "node_list":
-            kept = [v for v in collection.node_list.value if parse_input(v)[0] not in removed]
-            del collection.node_list.value[:]
-            collection.node_list.value.extend(kept)
+            values = collection.node_list.value
+            kept = [v for v in values if parse_input(v)[0] not in removed]
+            if len(kept) != len(values):
+                log.append((values, list(values)))
+                del values[:]
+                values.extend(kept)
 
 
 def _report(plan: Plan, records: list[PassRecord], census: Census, before: int, after: int) -> Report:

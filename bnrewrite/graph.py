@@ -133,6 +133,7 @@ class Graph:
         self._change = change  # how an edit made this graph, until validate() has used it
         self._numbering: dict[str, int] | None = None  # set by validate(): the graph is valid
         self._wide: dict[str, dict[str, list[tuple[int, int]]]] = {}  # see _edges_of
+        self._undo: _InPlaceUndo | None = None  # set by to_graph_def in place
 
     @classmethod
     def from_graph_def(cls, graph_def: graph_pb2.GraphDef, *, storage: graph_pb2.GraphDef | None = None) -> "Graph":
@@ -165,6 +166,8 @@ class Graph:
         nor any of them may be used afterwards.
         """
         self.drop_indexes()  # their memory serves the sort
+        if self._storage is self._source:
+            return self._assemble_in_place()
         storage, source, order = self._storage, self._source, self._nodes
         nodes, read = self._stored, self._read
         stale = bytearray(b"\1") * len(nodes)  # the copies made below are not stale
@@ -188,6 +191,53 @@ class Graph:
         if self._library is not None:
             storage.library.CopyFrom(self._library)
         return storage
+
+    def _assemble_in_place(self) -> graph_pb2.GraphDef:
+        """to_graph_def for a GraphDef rewritten in place, in steps `undo_in_place` can take back
+        from any point: one sort (it completes or leaves the nodes as they were), then the
+        stale nodes cut off but kept alive, then the library."""
+        nodes, positions = self._stored, list(self._nodes.values())
+        kept = len(positions)
+        keys = list(range(kept, kept + len(nodes)))  # stale nodes go after the kept ones, in their order
+        for rank, p in enumerate(positions):
+            keys[p] = rank
+        undo = self._undo = _InPlaceUndo(keys)
+        if positions != list(range(kept)):
+            ranks = iter(keys)
+            nodes.sort(key=lambda _: next(ranks))
+            undo.sorted = True
+        undo.stale = list(nodes[kept:])  # removed from the GraphDef, these stay valid messages
+        del nodes[kept:]
+        undo.cut = True
+        if self._library is not None:
+            storage = self._storage
+            undo.library = type(storage.library)()
+            undo.library.CopyFrom(storage.library)
+            undo.had_library = storage.HasField("library")
+            storage.library.CopyFrom(self._library)
+        return self._storage
+
+    def undo_in_place(self) -> None:
+        """Put a GraphDef rewritten in place back as it was before `to_graph_def` (the nodes the
+        edits appended stay, after the original ones: the caller drops them)."""
+        undo = getattr(self, "_undo", None)
+        if undo is None:
+            return
+        nodes = self._stored
+        if undo.library is not None:
+            if undo.had_library:
+                self._storage.library.CopyFrom(undo.library)
+            else:
+                self._storage.ClearField("library")
+        if undo.cut:
+            nodes.extend(undo.stale)
+        if undo.sorted or undo.cut:
+            # Slot j now holds the node that was at the j-th smallest key's position.
+            origin = sorted(range(len(undo.keys)), key=undo.keys.__getitem__)
+            if origin != list(range(len(origin))):
+                back = iter(origin)
+                nodes.sort(key=lambda _: next(back))
+        self._undo = None
 
     def _node_at(self, position: int) -> NodeDef:
         return self._stored[position] if position >= 0 else self._read[~position]
@@ -486,6 +536,18 @@ class _Change:
             else:
                 index.pop(src, None)
         return index
+
+
+@dataclass
+class _InPlaceUndo:
+    """How far `_assemble_in_place` got: `keys` sorted the nodes, `stale` holds the nodes cut."""
+
+    keys: list[int]
+    sorted: bool = False
+    stale: list[NodeDef] | None = None
+    cut: bool = False
+    library: Any = None
+    had_library: bool = False
 
 
 _device_cache: dict[str, Device] = {}
