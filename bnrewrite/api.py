@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import math
+import numbers
 import signal
 import threading
 from contextlib import contextmanager
@@ -15,12 +17,14 @@ from tensorflow.core.protobuf import meta_graph_pb2
 from bnrewrite import functions, handles
 from bnrewrite.errors import (
     AlreadyRewrittenError,
+    BackendError,
     BnRewriteError,
     InferenceOnlyError,
     NoBatchNormError,
 )
 from bnrewrite.graph import Graph, copy_fields, parse_input
 from bnrewrite.match.sites import Census, scan
+from bnrewrite.collectives import BACKENDS
 from bnrewrite.match.towers import TOWER_BY
 from bnrewrite.nodes import MARK
 from bnrewrite.opcheck import check_output_indices
@@ -138,10 +142,7 @@ def rewrite_graph(
         of a copy, which saves the memory of one copy of the graph; if the rewrite fails, it
         is left as it was.
     """
-    if tower_by not in TOWER_BY:
-        raise BnRewriteError(f"unknown tower_by {tower_by!r}; choose one of {', '.join(TOWER_BY)}")
-    if if_rewritten not in ("error", "keep"):
-        raise BnRewriteError(f"unknown if_rewritten {if_rewritten!r}; choose error or keep")
+    _check_arguments(backend, tower_by, group_size, timeout_seconds, num_workers, task_index, if_rewritten, in_place)
     options = Options(
         backend=backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds,
         num_workers=num_workers, task_index=task_index,
@@ -156,6 +157,37 @@ def rewrite_graph(
             undo.restore()
         raise
     return result
+
+
+def _check_arguments(
+    backend: Any, tower_by: Any, group_size: Any, timeout_seconds: Any, num_workers: Any, task_index: Any,
+    if_rewritten: Any, in_place: Any,
+) -> None:
+    """Raise BnRewriteError naming the valid values for the first argument that has none of them
+    (the types too: a string "2" is no group size)."""
+    for name, value, choices, error in (("backend", backend, BACKENDS, BackendError),
+                                        ("tower_by", tower_by, TOWER_BY, BnRewriteError),
+                                        ("if_rewritten", if_rewritten, ("error", "keep"), BnRewriteError)):
+        if not isinstance(value, str) or value not in choices:
+            raise error(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+    if group_size is not None and not (_is_int(group_size) and group_size >= 1):
+        raise BnRewriteError(f"group_size={group_size!r} is not valid; give a positive integer (1 or more) "
+                             "that divides the number of towers, or None for all towers together")
+    if not (isinstance(timeout_seconds, (int, float)) and not isinstance(timeout_seconds, bool)
+            and math.isfinite(timeout_seconds) and timeout_seconds >= 0):
+        raise BnRewriteError(f"timeout_seconds={timeout_seconds!r} is not valid; give a finite number of seconds, "
+                             "0 or more (0: no timeout)")
+    if not (_is_int(num_workers) and num_workers >= 1):
+        raise BnRewriteError(f"num_workers={num_workers!r} is not valid; give a positive integer (1 or more)")
+    if not (_is_int(task_index) and 0 <= task_index < num_workers):
+        raise BnRewriteError(f"task_index={task_index!r} is not valid; give an integer from 0 to "
+                             f"{num_workers - 1} (num_workers {num_workers})")
+    if not isinstance(in_place, bool):
+        raise BnRewriteError(f"in_place={in_place!r} is not valid; give True or False")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _rewrite(
@@ -252,13 +284,28 @@ def _as_protos(
     if isinstance(graph, graph_pb2.GraphDef):
         return graph, None, graph if in_place else graph_pb2.GraphDef()
     if hasattr(graph, "as_graph_def") and hasattr(graph, "get_all_collection_keys"):
-        import tensorflow as tf
-
-        with graph.as_default():
-            meta = tf.compat.v1.train.export_meta_graph(graph=graph, clear_devices=False)
+        meta = _export(graph)
         graph_def = meta.graph_def
         return graph_def, meta, graph_def
     raise BnRewriteError(f"rewrite_graph takes a tf.Graph, GraphDef or MetaGraphDef, not {type(graph).__name__}")
+
+
+def _export(graph: Any, attempts: int = 3) -> meta_graph_pb2.MetaGraphDef:
+    """A MetaGraphDef of tf.Graph `graph`, the only view of it the rewrite then uses. A graph
+    another thread adds ops to while it is exported would give a MetaGraphDef whose
+    collections name ops its graph_def lacks: the export is taken again, and refused if the
+    graph keeps changing."""
+    import tensorflow as tf
+
+    for _ in range(attempts):
+        version = graph.version
+        with graph.as_default():
+            meta = tf.compat.v1.train.export_meta_graph(graph=graph, clear_devices=False)
+        if graph.version == version and len(meta.graph_def.node) == len(graph.get_operations()):
+            return meta
+    raise BnRewriteError(
+        "the tf.Graph changed while it was being read (another thread is adding ops to it); "
+        "rewrite it once it is built, or pass graph.as_graph_def() or a MetaGraphDef")
 
 
 def _drop_from_collections(meta: meta_graph_pb2.MetaGraphDef, removed: set[str], log: list[tuple[Any, list[str]]]) -> None:

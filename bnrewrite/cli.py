@@ -266,10 +266,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except BnRewriteError as exc:
-        _print_error(cli_wording(str(exc)))
+        message = cli_wording(str(exc))
+        _print_error(message)
+        _json_failure(args, type(exc).__name__, message, exc.exit_code)
         return exc.exit_code
     except KeyboardInterrupt:
         _print_error("interrupted; nothing was written")
+        _json_failure(args, "KeyboardInterrupt", "interrupted", INTERRUPTED)
         return INTERRUPTED
     except BrokenPipeError:
         _silence_stdout()
@@ -277,11 +280,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the last resort: one line, not a traceback
         if args.verbose:
             traceback.print_exc()
-        _print_error(
-            f"internal error: {type(exc).__name__}: {_one_line(str(exc))} "
-            "(a bnrewrite bug: please report it with the command you ran; -v shows the traceback)"
-        )
+        message = (f"internal error: {type(exc).__name__}: {_one_line(str(exc))} "
+                   "(a bnrewrite bug: please report it with the command you ran; -v shows the traceback)")
+        _print_error(message)
+        _json_failure(args, type(exc).__name__, message, INTERNAL_ERROR)
         return INTERNAL_ERROR
+
+
+def _json_failure(args: argparse.Namespace, name: str, message: str, exit_code: int) -> None:
+    """`inspect --json` prints JSON whatever happens: on a failure before its report, a document
+    with the report's keys that it has and the error, as in a report of a graph that fails."""
+    if args.command != "inspect" or not args.json or getattr(args, "json_printed", False):
+        return
+    from bnrewrite.report import SCHEMA_VERSION
+
+    document = {
+        "schema_version": SCHEMA_VERSION, "bnrewrite_version": __version__, "command": "inspect",
+        "input": {"path": args.input, "format": None}, "output": None,
+        "options": {**_options(args), "tags": args.tags}, "graphs": [],
+        "error": {"class": name, "exit_code": exit_code, "message": message},
+    }
+    try:
+        print(json.dumps(document, indent=2))
+    except BrokenPipeError:
+        _silence_stdout()
 
 
 #: The keyword arguments of rewrite_graph and check -> the options that set them.
@@ -646,6 +668,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             document["error"] = {"class": type(failure).__name__, "exit_code": failure.exit_code,
                                  "message": cli_wording(str(failure))}
         print(json.dumps(document, indent=2))
+        args.json_printed = True
     elif failure is None:
         out.line("convert would succeed")
     if failure is not None:
