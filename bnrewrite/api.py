@@ -293,14 +293,19 @@ def _as_protos(
 def _export(graph: Any, attempts: int = 3) -> meta_graph_pb2.MetaGraphDef:
     """A MetaGraphDef of tf.Graph `graph`, the only view of it the rewrite then uses. A graph
     another thread adds ops to while it is exported would give a MetaGraphDef whose
-    collections name ops its graph_def lacks: the export is taken again, and refused if the
-    graph keeps changing."""
+    collections name ops its graph_def lacks (or make the export itself fail): the export is
+    taken again, and refused if the graph keeps changing."""
     import tensorflow as tf
 
     for _ in range(attempts):
         version = graph.version
-        with graph.as_default():
-            meta = tf.compat.v1.train.export_meta_graph(graph=graph, clear_devices=False)
+        try:
+            with graph.as_default():
+                meta = tf.compat.v1.train.export_meta_graph(graph=graph, clear_devices=False)
+        except Exception:  # noqa: BLE001 - TensorFlow's export fails in many ways on a graph that grows meanwhile
+            if graph.version == version:
+                raise
+            continue
         if graph.version == version and len(meta.graph_def.node) == len(graph.get_operations()):
             return meta
     raise BnRewriteError(

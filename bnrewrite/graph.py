@@ -407,8 +407,9 @@ class Graph:
                     ready.append(consumer)
         if len(order) != len(nodes):
             cycle = self._a_cycle({n for n, d in indegree.items() if d > 0}, loop_back)
-            shown = " -> ".join(cycle[:6]) + (f" -> ... ({len(cycle) - 1} nodes)" if len(cycle) > 6 else "")
-            raise GraphValidationError(f"the graph has a cycle: {shown}")
+            shown = cycle if len(cycle) <= 9 else [*cycle[:4], "...", *cycle[-3:]]
+            size = f" ({len(cycle) - 1} nodes)" if len(cycle) > 9 else ""
+            raise GraphValidationError(f"the graph has a cycle{size}: {' -> '.join(shown)}")
         return tuple(order)
 
     def _a_cycle(self, stuck: set[str], loop_back: set[str]) -> list[str]:
