@@ -1,6 +1,6 @@
 """What TensorFlow's import would reject in a node, found from the op's registered OpDef
-without importing the graph: attr values of the wrong kind, an unknown or disallowed dtype,
-an input reading an output its producer does not have.
+without importing the graph: attr values of the wrong kind, an unknown or disallowed dtype
+or string, an input reading an output its producer does not have.
 
 The rewrite reads batch-norm attrs (epsilon, T, ...) to build new nodes and keeps every
 other node as it is, so a malformed value must be an error here, not an exception in a
@@ -53,6 +53,10 @@ def check_attrs(node: Any) -> None:
             raise GraphValidationError(
                 f"node {node.name!r} ({node.op}): attr {attr.name} holds a {_KIND_NAME.get(kind or '', 'empty')} value where "
                 f"{node.op} takes a {attr.type}")
+        if attr.type == "string" and attr.allowed_values.list.s and value.s not in attr.allowed_values.list.s:
+            takes = ", ".join(v.decode() for v in attr.allowed_values.list.s)
+            raise GraphValidationError(
+                f"node {node.name!r} ({node.op}): attr {attr.name} is {value.s[:40]!r}; {node.op} takes {takes}")
         if attr.type == "type":
             allowed = attr.allowed_values.list.type
             if value.type not in types_pb2.DataType.values() or value.type == types_pb2.DT_INVALID or (

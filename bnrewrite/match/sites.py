@@ -400,7 +400,21 @@ def _grad_mismatch(graph: Graph, forward: str, grad: str, slot: int) -> str:
         return f"its gradient {grad} is in inference mode"
     if any(src == forward for src, _ in inputs[:3]) or inputs[1] != graph.inputs(forward)[0]:
         return f"{grad} does not read the op's input x and an incoming gradient as tf.gradients builds it"
+    if _behind_identities(graph, inputs[4]) != (forward, 4):
+        return f"{grad} reads {inputs[4][0]}:{inputs[4][1]} as reserve_space_2, not the op's output 4"
     return ""
+
+
+def _behind_identities(graph: Graph, tensor: tuple[str, int]) -> tuple[str, int]:
+    """The tensor an Identity chain (of any length) passes on."""
+    seen = set()
+    while tensor[0] in graph and tensor[0] not in seen and graph.node(tensor[0]).op == "Identity":
+        seen.add(tensor[0])
+        inputs = graph.inputs(tensor[0])
+        if not inputs:
+            break
+        tensor = inputs[0]
+    return tensor
 
 
 def _fused_site(graph: Graph, node: object) -> tuple[Site | None, str]:
