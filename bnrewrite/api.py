@@ -297,14 +297,15 @@ def _export(graph: Any, attempts: int = 3) -> meta_graph_pb2.MetaGraphDef:
     taken again, and refused if the graph keeps changing."""
     import tensorflow as tf
 
-    for _ in range(attempts):
+    first = graph.version
+    for attempt in range(attempts):
         version = graph.version
         try:
             with graph.as_default():
                 meta = tf.compat.v1.train.export_meta_graph(graph=graph, clear_devices=False)
         except Exception:  # noqa: BLE001 - TensorFlow's export fails in many ways on a graph that grows meanwhile
-            if graph.version == version:
-                raise
+            if attempt == attempts - 1 and graph.version == first:
+                raise  # the graph did not change: a failure of its own
             continue
         if graph.version == version and len(meta.graph_def.node) == len(graph.get_operations()):
             return meta

@@ -362,6 +362,7 @@ def _interrupted_at(message, n: int, how: str) -> tuple[int, bool]:
     return calls[0], False
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # generators the interrupt closes
 @pytest.mark.parametrize("kind", ["graph_def", "meta_graph_def"])
 def test_in_place_interrupted_anywhere_leaves_the_input_as_it_was(base, kind):
     """Interrupt at points spread over the whole rewrite and at every one of the last calls
