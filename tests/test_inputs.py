@@ -514,3 +514,20 @@ def test_inspect_json_prints_json_on_failure(tmp_path, base):
         assert document["error"]["class"] == error, document
         assert document["error"]["exit_code"] == proc.returncode != 0
         assert document["error"]["message"] in proc.stderr
+
+
+def test_fifo_inside_a_saved_model_is_an_input_error(tmp_path):
+    """A FIFO inside the SavedModel is named as the input's problem (exit 3) before anything is
+    parsed or copied (it came out as an output error, exit 10, with a Python list repr)."""
+    from model_files import SPEC, write_saved_model
+    from models import build_towers
+
+    saved = str(tmp_path / "saved")
+    write_saved_model(saved, build_towers(SPEC), SPEC)
+    io.check_input(saved)
+    os.mkfifo(os.path.join(saved, "variables", "pipe"))
+    with pytest.raises(InputFormatError, match=r"holds variables/pipe, a FIFO \(named pipe\), not a file or folder; remove it"):
+        io.check_input(saved)
+    proc, _, _ = _cli("convert", saved, str(tmp_path / "out"))
+    assert proc.returncode == InputFormatError.exit_code and "variables/pipe" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()

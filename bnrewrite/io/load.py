@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 from typing import Any
 
 from bnrewrite.errors import GraphValidationError, InputFormatError
@@ -28,8 +29,40 @@ def check_input(path: str) -> None:
         raise InputFormatError(f"{where} is a broken symbolic link; check the path")
     if os.path.isdir(path):
         _check_file(os.path.join(path, _saved_model_graph_file(path)))
+        _check_saved_model_contents(path)
         return
     _check_file(path)
+
+
+def _check_saved_model_contents(path: str) -> None:
+    """What a SavedModel's copy would fail on, named as the input's problem: a FIFO, socket or
+    device inside it (reading one blocks or never ends) or a file or folder that cannot be
+    read. Symbolic links are left to the copy, which decides about them."""
+    def unreadable(error: OSError) -> None:
+        raise InputFormatError(f"cannot read {shown(error.filename or path)} inside SavedModel {shown(path)}: "
+                               f"{error.strerror or error}")
+
+    for folder, dirs, files in os.walk(path, onerror=unreadable):
+        for name in (*dirs, *files):
+            entry = os.path.join(folder, name)
+            info = os.lstat(entry)
+            if stat.S_ISLNK(info.st_mode):
+                continue
+            if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+                raise InputFormatError(
+                    f"SavedModel {shown(path)} holds {os.path.relpath(entry, path)}, {_kind(info.st_mode)}, not a file "
+                    "or folder; remove it from the model directory")
+            if not os.access(entry, os.R_OK | (os.X_OK if stat.S_ISDIR(info.st_mode) else 0)):
+                raise InputFormatError(f"cannot read {os.path.relpath(entry, path)} inside SavedModel {shown(path)}: "
+                                       "permission denied")
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file"
 
 
 def _check_file(path: str) -> None:
