@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import gc
+import math
+import numbers
+import signal
+import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from tensorflow.core.framework import graph_pb2
@@ -13,14 +17,17 @@ from tensorflow.core.protobuf import meta_graph_pb2
 from bnrewrite import functions, handles, meaning
 from bnrewrite.errors import (
     AlreadyRewrittenError,
+    BackendError,
     BnRewriteError,
     InferenceOnlyError,
     NoBatchNormError,
 )
 from bnrewrite.graph import Graph, copy_fields, parse_input
 from bnrewrite.match.sites import Census, scan
+from bnrewrite.collectives import BACKENDS
 from bnrewrite.match.towers import TOWER_BY
 from bnrewrite.nodes import MARK
+from bnrewrite.opcheck import check_output_indices
 from bnrewrite.passes import run_passes
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.passes.sites import KERNEL_MIN_ELEMENTS, kernel_size_unknown
@@ -63,7 +70,48 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-@_gc_paused()
+@contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """A SIGINT (Ctrl-C) that arrives during the block is held back and raised as
+    KeyboardInterrupt when the block ends, so that the block's steps run all or not at all
+    and the code after knows which. Signals reach Python only in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[tuple[Any, ...]] = []
+    previous = signal.signal(signal.SIGINT, lambda *args: received.append(args))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received and previous is not signal.SIG_IGN:
+            if callable(previous):
+                previous(*received[0])  # Python's default handler raises KeyboardInterrupt
+            else:
+                raise KeyboardInterrupt
+
+
+@dataclass
+class _Undo:
+    """What it takes to put back a GraphDef or MetaGraphDef rewritten in place: its node count
+    before, the graph whose `to_graph_def` changed it, and the collections changed."""
+
+    graph_def: graph_pb2.GraphDef | None  # None: nothing of the caller's is changed
+    size: int = 0
+    graph: Graph | None = None
+    collections: list[tuple[Any, list[str]]] = field(default_factory=list)
+
+    def restore(self) -> None:
+        if self.graph_def is None:
+            return
+        for values, old in reversed(self.collections):
+            del values[:]
+            values.extend(old)
+        if self.graph is not None:
+            self.graph.undo_in_place()
+        del self.graph_def.node[self.size:]  # what the passes appended
+
+
 def rewrite_graph(
     graph: Any,
     backend: str = "auto",
@@ -94,30 +142,61 @@ def rewrite_graph(
         of a copy, which saves the memory of one copy of the graph; if the rewrite fails, it
         is left as it was.
     """
-    if tower_by not in TOWER_BY:
-        raise BnRewriteError(f"unknown tower_by {tower_by!r}; choose one of {', '.join(TOWER_BY)}")
-    if if_rewritten not in ("error", "keep"):
-        raise BnRewriteError(f"unknown if_rewritten {if_rewritten!r}; choose error or keep")
+    _check_arguments(backend, tower_by, group_size, timeout_seconds, num_workers, task_index, if_rewritten, in_place)
     options = Options(
         backend=backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds,
         num_workers=num_workers, task_index=task_index,
     )
     graph_def, meta, storage = _as_protos(graph, in_place)
-    size = len(graph_def.node)
+    undo = _Undo(graph_def if storage is graph_def and in_place else None, len(graph_def.node))
     try:
-        return _rewrite(graph_def, meta, storage, options, if_rewritten)
+        with _gc_paused():
+            result = _rewrite(graph_def, meta, storage, options, if_rewritten, undo)
     except BaseException:
-        if storage is graph_def:  # drop what the passes appended; the nodes before change only at the very end
-            del graph_def.node[size:]
+        with _interrupts_deferred():
+            undo.restore()
         raise
+    return result
+
+
+def _check_arguments(
+    backend: Any, tower_by: Any, group_size: Any, timeout_seconds: Any, num_workers: Any, task_index: Any,
+    if_rewritten: Any, in_place: Any,
+) -> None:
+    """Raise BnRewriteError naming the valid values for the first argument that has none of them
+    (the types too: a string "2" is no group size)."""
+    for name, value, choices, error in (("backend", backend, BACKENDS, BackendError),
+                                        ("tower_by", tower_by, TOWER_BY, BnRewriteError),
+                                        ("if_rewritten", if_rewritten, ("error", "keep"), BnRewriteError)):
+        if not isinstance(value, str) or value not in choices:
+            raise error(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+    if group_size is not None and not (_is_int(group_size) and group_size >= 1):
+        raise BnRewriteError(f"group_size={group_size!r} is not valid; give a positive integer (1 or more) "
+                             "that divides the number of towers, or None for all towers together")
+    if not (isinstance(timeout_seconds, (int, float)) and not isinstance(timeout_seconds, bool)
+            and math.isfinite(timeout_seconds) and timeout_seconds >= 0):
+        raise BnRewriteError(f"timeout_seconds={timeout_seconds!r} is not valid; give a finite number of seconds, "
+                             "0 or more (0: no timeout)")
+    if not (_is_int(num_workers) and num_workers >= 1):
+        raise BnRewriteError(f"num_workers={num_workers!r} is not valid; give a positive integer (1 or more)")
+    if not (_is_int(task_index) and 0 <= task_index < num_workers):
+        raise BnRewriteError(f"task_index={task_index!r} is not valid; give an integer from 0 to "
+                             f"{num_workers - 1} (num_workers {num_workers})")
+    if not isinstance(in_place, bool):
+        raise BnRewriteError(f"in_place={in_place!r} is not valid; give True or False")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _rewrite(
     graph_def: graph_pb2.GraphDef, meta: meta_graph_pb2.MetaGraphDef | None, storage: graph_pb2.GraphDef,
-    options: Options, if_rewritten: str,
+    options: Options, if_rewritten: str, undo: _Undo,
 ) -> RewriteResult:
     model = Graph.from_graph_def(graph_def, storage=storage)
     model.validate()  # a dangling input or a cycle in the input is the input's fault, not a pass's
+    check_output_indices(model)
     combined, bodies, census = take_census(model)
     if census.rewritten:
         if if_rewritten == "error":
@@ -154,7 +233,6 @@ def _rewrite(
             )
     unsized = sum(kernel_size_unknown(combined, group.sites[0]) for group in plan.groups)
     report = _report(plan, records, census, len(model), len(rewritten))
-    out_def = rewritten.to_graph_def()  # uses `rewritten` (and the storage `combined` reads) up
     if report_note:
         report.notes.append(report_note)
     if unsized:
@@ -175,8 +253,12 @@ def _rewrite(
         )
         if not options.timeout_seconds:
             report.notes.append("no collective timeout: a worker that never joins makes the others wait forever")
-    if meta is not None:
-        _drop_from_collections(meta, {r["node"] for r in report.removed})
+    removed = {r["node"] for r in report.removed}
+    with _interrupts_deferred():  # the caller's GraphDef changes here when in place: in steps undo can take back
+        undo.graph = rewritten
+        out_def = rewritten.to_graph_def()  # uses `rewritten` (and the storage `combined` reads) up
+        if meta is not None:
+            _drop_from_collections(meta, removed, undo.collections)
     return RewriteResult(out_def, meta, report)
 
 
@@ -210,22 +292,47 @@ def _as_protos(
     if isinstance(graph, graph_pb2.GraphDef):
         return graph, None, graph if in_place else graph_pb2.GraphDef()
     if hasattr(graph, "as_graph_def") and hasattr(graph, "get_all_collection_keys"):
-        import tensorflow as tf
-
-        with graph.as_default():
-            meta = tf.compat.v1.train.export_meta_graph(graph=graph, clear_devices=False)
+        meta = _export(graph)
         graph_def = meta.graph_def
         return graph_def, meta, graph_def
     raise BnRewriteError(f"rewrite_graph takes a tf.Graph, GraphDef or MetaGraphDef, not {type(graph).__name__}")
 
 
-def _drop_from_collections(meta: meta_graph_pb2.MetaGraphDef, removed: set[str]) -> None:
-    """Removed ops leave every collection that listed them."""
+def _export(graph: Any, attempts: int = 3) -> meta_graph_pb2.MetaGraphDef:
+    """A MetaGraphDef of tf.Graph `graph`, the only view of it the rewrite then uses. A graph
+    another thread adds ops to while it is exported would give a MetaGraphDef whose
+    collections name ops its graph_def lacks (or make the export itself fail): the export is
+    taken again, and refused if the graph keeps changing."""
+    import tensorflow as tf
+
+    first = graph.version
+    for attempt in range(attempts):
+        version = graph.version
+        try:
+            with graph.as_default():
+                meta = tf.compat.v1.train.export_meta_graph(graph=graph, clear_devices=False)
+        except Exception:  # noqa: BLE001 - TensorFlow's export fails in many ways on a graph that grows meanwhile
+            if attempt == attempts - 1 and graph.version == first:
+                raise  # the graph did not change: a failure of its own
+            continue
+        if graph.version == version and len(meta.graph_def.node) == len(graph.get_operations()):
+            return meta
+    raise BnRewriteError(
+        "the tf.Graph changed while it was being read (another thread is adding ops to it); "
+        "rewrite it once it is built, or pass graph.as_graph_def() or a MetaGraphDef")
+
+
+def _drop_from_collections(meta: meta_graph_pb2.MetaGraphDef, removed: set[str], log: list[tuple[Any, list[str]]]) -> None:
+    """Removed ops leave every collection that listed them; `log` gets each changed list and
+    its values before."""
     for collection in meta.collection_def.values():
         if collection.WhichOneof("kind") == "node_list":
-            kept = [v for v in collection.node_list.value if parse_input(v)[0] not in removed]
-            del collection.node_list.value[:]
-            collection.node_list.value.extend(kept)
+            values = collection.node_list.value
+            kept = [v for v in values if parse_input(v)[0] not in removed]
+            if len(kept) != len(values):
+                log.append((values, list(values)))
+                del values[:]
+                values.extend(kept)
 
 
 def _report(plan: Plan, records: list[PassRecord], census: Census, before: int, after: int) -> Report:

@@ -273,16 +273,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except BnRewriteError as exc:
-        _print_error(cli_wording(str(exc)))
+        message = cli_wording(str(exc))
+        _print_error(message)
+        _json_failure(args, type(exc).__name__, message, exc.exit_code)
         return exc.exit_code
     except KeyboardInterrupt as exc:
         signum = getattr(exc, "signum", signal.SIGINT)
         outputs = getattr(args, "outputs", None)
         what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
         if outputs is not None and outputs.committed:
-            _print_error(f"{what} after every output was written (they are complete)")
+            message = f"{what} after every output was written (they are complete)"
         else:
-            _print_error(f"{what}; nothing was written")
+            message = f"{what}; nothing was written"
+        _print_error(message)
+        _json_failure(args, type(exc).__name__, message, 128 + signum)
         return 128 + signum
     except BrokenPipeError:
         _silence_stdout()
@@ -290,10 +294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the last resort: one line, not a traceback
         if args.verbose:
             traceback.print_exc()
-        _print_error(
-            f"internal error: {type(exc).__name__}: {_one_line(str(exc))} "
-            "(a bnrewrite bug: please report it with the command you ran; -v shows the traceback)"
-        )
+        message = (f"internal error: {type(exc).__name__}: {_one_line(str(exc))} "
+                   "(a bnrewrite bug: please report it with the command you ran; -v shows the traceback)")
+        _print_error(message)
+        _json_failure(args, type(exc).__name__, message, INTERNAL_ERROR)
         return INTERNAL_ERROR
     finally:
         for signum, handler in previous.items():
@@ -324,6 +328,25 @@ def _stop_on_signals() -> dict[int, Any]:
         if signum is not None and signal.getsignal(signum) is signal.SIG_DFL:
             previous[signum] = signal.signal(signum, _stop)
     return previous
+
+
+def _json_failure(args: argparse.Namespace, name: str, message: str, exit_code: int) -> None:
+    """`inspect --json` prints JSON whatever happens: on a failure before its report, a document
+    with the report's keys that it has and the error, as in a report of a graph that fails."""
+    if args.command != "inspect" or not args.json or getattr(args, "json_printed", False):
+        return
+    from bnrewrite.report import SCHEMA_VERSION
+
+    document = {
+        "schema_version": SCHEMA_VERSION, "bnrewrite_version": __version__, "command": "inspect",
+        "input": {"path": args.input, "format": None}, "output": None,
+        "options": {**_options(args), "tags": args.tags}, "graphs": [],
+        "error": {"class": name, "exit_code": exit_code, "message": message},
+    }
+    try:
+        print(json.dumps(document, indent=2))
+    except BrokenPipeError:
+        _silence_stdout()
 
 
 #: The keyword arguments of rewrite_graph and check -> the options that set them.
@@ -692,6 +715,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             document["error"] = {"class": type(failure).__name__, "exit_code": failure.exit_code,
                                  "message": cli_wording(str(failure))}
         print(json.dumps(document, indent=2))
+        args.json_printed = True
     elif failure is None:
         out.line("convert would succeed")
     if failure is not None:
@@ -733,13 +757,15 @@ def _print_plan(out: _Printer, outcome: Any, head: str) -> None:
         out.line("")
         return
     towers = report.towers
-    out.line(f"{head}towers ({report.tower_by}): {', '.join(towers)}")
+    from bnrewrite.match.towers import shown_tower
+
+    out.line(f"{head}towers ({report.tower_by}): {', '.join(map(shown_tower, towers))}")
     out.line(f"layout: {report.layout}")
     if len(report.sync_groups) > 1:
         out.line("sync groups: " + "; ".join("[" + ", ".join(g) + "]" for g in report.sync_groups))
     out.line("batch-norm sites per tower:")
     for k, tower in enumerate(towers):
-        out.line(f"  {tower}:")
+        out.line(f"  {shown_tower(tower)}:")
         for row in report.layers:
             per = len(row.gradients) // max(len(row.towers), 1)
             grads = row.gradients[k * per:(k + 1) * per]

@@ -13,7 +13,10 @@ class BnRewriteError(Exception):
 
 
 class InputFormatError(BnRewriteError):
-    """The file is not a GraphDef, MetaGraphDef or SavedModel, or it is corrupt."""
+    """The file is not a GraphDef, MetaGraphDef or SavedModel, or it is truncated or corrupt.
+
+    Also: zero bytes, a checkpoint's .index or .data file, a SavedModel that holds a FIFO,
+    device or unreadable file."""
 
     exit_code = 3
 
@@ -61,7 +64,10 @@ class OutputError(BnRewriteError):
 
 
 class GraphValidationError(BnRewriteError):
-    """A graph is malformed: dangling inputs, duplicate names or a cycle."""
+    """A graph is malformed: dangling inputs, duplicate names, a cycle, bad attrs or devices.
+
+    Also: an input naming an output its node does not have (x:999), a batch-norm attr of the
+    wrong kind or dtype, a device whose task or replica is not a number."""
 
     exit_code = 11
 

@@ -28,6 +28,8 @@ NodeDef = node_def_pb2.NodeDef
 
 #: Spacing of topological numbers (see Graph._extended_numbering).
 _GAP = 1 << 20
+#: A consumer with more inputs than this gets its inputs indexed by producer (see `_edges_of`).
+_WIDE = 16
 #: Edges out of these ops close v1 while-loops; they are not cycles.
 _LOOP_BACK_OPS = frozenset({"NextIteration", "RefNextIteration"})
 
@@ -76,6 +78,8 @@ class Device:
                 continue
             key, _, value = part.partition(":")
             if key in ("job", "replica", "task"):
+                if key != "job" and not (value.isascii() and value.isdigit()):
+                    raise GraphValidationError(f"device {spec!r} is not a device name: its {key} {value!r} is not a number")
                 fields[key] = value if key == "job" else int(value)
                 continue
             match = _DEVICE_RE.match(part)
@@ -128,6 +132,8 @@ class Graph:
         self._consumers = consumers
         self._change = change  # how an edit made this graph, until validate() has used it
         self._numbering: dict[str, int] | None = None  # set by validate(): the graph is valid
+        self._wide: dict[str, dict[str, list[tuple[int, int]]]] = {}  # see _edges_of
+        self._undo: _InPlaceUndo | None = None  # set by to_graph_def in place
 
     @classmethod
     def from_graph_def(cls, graph_def: graph_pb2.GraphDef, *, storage: graph_pb2.GraphDef | None = None) -> "Graph":
@@ -160,6 +166,8 @@ class Graph:
         nor any of them may be used afterwards.
         """
         self.drop_indexes()  # their memory serves the sort
+        if self._storage is self._source:
+            return self._assemble_in_place()
         storage, source, order = self._storage, self._source, self._nodes
         nodes, read = self._stored, self._read
         stale = bytearray(b"\1") * len(nodes)  # the copies made below are not stale
@@ -184,6 +192,53 @@ class Graph:
             storage.library.CopyFrom(self._library)
         return storage
 
+    def _assemble_in_place(self) -> graph_pb2.GraphDef:
+        """to_graph_def for a GraphDef rewritten in place, in steps `undo_in_place` can take back
+        from any point: one sort (it completes or leaves the nodes as they were), then the
+        stale nodes cut off but kept alive, then the library."""
+        nodes, positions = self._stored, list(self._nodes.values())
+        kept = len(positions)
+        keys = list(range(kept, kept + len(nodes)))  # stale nodes go after the kept ones, in their order
+        for rank, p in enumerate(positions):
+            keys[p] = rank
+        undo = self._undo = _InPlaceUndo(keys)
+        if positions != list(range(kept)):
+            ranks = iter(keys)
+            nodes.sort(key=lambda _: next(ranks))
+            undo.sorted = True
+        undo.stale = list(nodes[kept:])  # removed from the GraphDef, these stay valid messages
+        del nodes[kept:]
+        undo.cut = True
+        if self._library is not None:
+            storage = self._storage
+            undo.library = type(storage.library)()
+            undo.library.CopyFrom(storage.library)
+            undo.had_library = storage.HasField("library")
+            storage.library.CopyFrom(self._library)
+        return self._storage
+
+    def undo_in_place(self) -> None:
+        """Put a GraphDef rewritten in place back as it was before `to_graph_def` (the nodes the
+        edits appended stay, after the original ones: the caller drops them)."""
+        undo = getattr(self, "_undo", None)
+        if undo is None:
+            return
+        nodes = self._stored
+        if undo.library is not None:
+            if undo.had_library:
+                self._storage.library.CopyFrom(undo.library)
+            else:
+                self._storage.ClearField("library")
+        if undo.cut:
+            nodes.extend(undo.stale)
+        if undo.sorted or undo.cut:
+            # Slot j now holds the node that was at the j-th smallest key's position.
+            origin = sorted(range(len(undo.keys)), key=undo.keys.__getitem__)
+            if origin != list(range(len(origin))):
+                back = iter(origin)
+                nodes.sort(key=lambda _: next(back))
+        self._undo = None
+
     def _node_at(self, position: int) -> NodeDef:
         return self._stored[position] if position >= 0 else self._read[~position]
 
@@ -196,6 +251,7 @@ class Graph:
         """Free the consumer index and the topological numbering (a graph that is done with:
         they take more memory than its nodes' names); they are built again if asked for."""
         self._consumers = self._numbering = None
+        self._wide = {}
         self.__dict__.pop("_topological_order", None)
 
     def __contains__(self, name: object) -> bool:
@@ -242,10 +298,25 @@ class Graph:
             node = self.node(consumer)
             if ops is not None and node.op not in ops:
                 continue
+            if len(node.input) > _WIDE:
+                pairs: Iterable[tuple[int, int]] = self._edges_of(consumer, node).get(name, ())
+            else:
+                pairs = ((slot, out) for slot, (src, out) in enumerate(map(parse_input, node.input)) if src == name)
+            for slot, out in pairs:
+                if output is None or out == output:
+                    edges.append(Edge(consumer, -1 if out < 0 else slot, out))
+        return edges
+
+    def _edges_of(self, name: str, node: NodeDef) -> dict[str, list[tuple[int, int]]]:
+        """The inputs of a node with many of them (a train_op waiting on every update) as
+        producer -> [(slot, output)], parsed once per graph: scanning them for every producer
+        asked about would cost their number times the number of questions."""
+        edges = self._wide.get(name)
+        if edges is None:
+            edges = self._wide[name] = {}
             for slot, spec in enumerate(node.input):
                 src, out = parse_input(spec)
-                if src == name and (output is None or out == output):
-                    edges.append(Edge(consumer, -1 if out < 0 else slot, out))
+                edges.setdefault(src, []).append((slot, out))
         return edges
 
     def inputs(self, name: str) -> list[tuple[str, int]]:
@@ -262,7 +333,10 @@ class Graph:
         return parse_input(self.node(name).input[slot])
 
     def device(self, name: str) -> Device:
-        return _parse_device(self.node(name).device)
+        try:
+            return _parse_device(self.node(name).device)
+        except GraphValidationError as exc:
+            raise GraphValidationError(f"node {name!r}: {exc}") from None
 
     def static_elements(self, spec: str) -> int | None:
         """The number of elements of tensor `spec` when the graph records its static shape
@@ -332,9 +406,25 @@ class Graph:
                 if indegree[consumer] == 0:
                     ready.append(consumer)
         if len(order) != len(nodes):
-            stuck = sorted(n for n, d in indegree.items() if d > 0)[:5]
-            raise GraphValidationError(f"the graph has a cycle through {', '.join(stuck)}")
+            cycle = self._a_cycle({n for n, d in indegree.items() if d > 0}, loop_back)
+            shown = cycle if len(cycle) <= 9 else [*cycle[:4], "...", *cycle[-3:]]
+            size = f" ({len(cycle) - 1} nodes)" if len(cycle) > 9 else ""
+            raise GraphValidationError(f"the graph has a cycle{size}: {' -> '.join(shown)}")
         return tuple(order)
+
+    def _a_cycle(self, stuck: set[str], loop_back: set[str]) -> list[str]:
+        """One cycle among `stuck` (the nodes Kahn's sort could not order), as names along its
+        edges, the first repeated at the end. Every stuck node reads a stuck node (that is why
+        it is stuck), so walking to one, then to one of its, ... must come back to a node seen."""
+        path: list[str] = []
+        at: dict[str, int] = {}
+        name = min(stuck)
+        while name not in at:
+            at[name] = len(path)
+            path.append(name)
+            name = next(src for src, _ in map(parse_input, self.node(name).input) if src in stuck and src not in loop_back)
+        cycle = path[at[name]:]
+        return [*reversed(cycle), cycle[-1]]
 
     def validate(self) -> None:
         """Every input resolves to a node and there is no cycle.
@@ -346,10 +436,10 @@ class Graph:
             return
         change, nodes = self._change, self._nodes
         if change is not None and change.base._numbering is not None:
-            suspects: Iterable[str] = [
+            suspects: Iterable[str] = dict.fromkeys([  # each once: a reader of every removed node is one suspect
                 *(name for name, pairs in change.inputs.items() if any(src not in nodes for src, _ in pairs)),
                 *(reader for name in change.removed for reader in self.consumers.get(name, ())),
-            ]
+            ])
         else:
             suspects = nodes if self.consumers.keys() - nodes.keys() else ()
         for name in suspects:  # name the first dangling input
@@ -447,6 +537,18 @@ class _Change:
             else:
                 index.pop(src, None)
         return index
+
+
+@dataclass
+class _InPlaceUndo:
+    """How far `_assemble_in_place` got: `keys` sorted the nodes, `stale` holds the nodes cut."""
+
+    keys: list[int]
+    sorted: bool = False
+    stale: list[NodeDef] | None = None
+    cut: bool = False
+    library: Any = None
+    had_library: bool = False
 
 
 _device_cache: dict[str, Device] = {}

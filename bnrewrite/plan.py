@@ -76,8 +76,6 @@ def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
     if apart:
         raise NoTowersError(apart)
     size = options.group_size or len(towers.ids)
-    if options.num_workers < 1 or not 0 <= options.task_index < options.num_workers:
-        raise BnRewriteError(f"task index {options.task_index} is not one of the {options.num_workers} workers")
     if options.num_workers > 1 and size != len(towers.ids):
         raise BnRewriteError("sync groups within a worker cannot be combined with several workers; drop group_size")
     if options.num_workers > 1 and options.backend == "nccl":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import mmap
 import os
+import stat
 from typing import Any
 
 from bnrewrite.errors import GraphValidationError, InputFormatError
@@ -14,19 +16,57 @@ from bnrewrite.io.model import (
     Model,
     shown,
 )
-from bnrewrite.io.sniff import HEAD_BYTES, empty_error, parse_bytes, sniff_head
+from bnrewrite.io.sniff import HEAD_BYTES, check_binary, empty_error, parse_bytes, sniff_head
 
 
 def check_input(path: str) -> None:
-    """The checks on an input path that need no parsing (and so no TensorFlow)."""
+    """The checks on an input path that need no TensorFlow: the path, then the file's bytes
+    (a walk over their top-level protobuf fields, through an mmap: nothing is read into memory)."""
     where = shown(path)
     if not os.path.lexists(path):
         raise InputFormatError(f"{where} does not exist; check the path")
     if not os.path.exists(path):
         raise InputFormatError(f"{where} is a broken symbolic link; check the path")
     if os.path.isdir(path):
-        _saved_model_graph_file(path)
+        _check_file(os.path.join(path, _saved_model_graph_file(path)))
+        _check_saved_model_contents(path)
         return
+    _check_file(path)
+
+
+def _check_saved_model_contents(path: str) -> None:
+    """What a SavedModel's copy would fail on, named as the input's problem: a FIFO, socket or
+    device inside it (reading one blocks or never ends) or a file or folder that cannot be
+    read. Symbolic links are left to the copy, which decides about them."""
+    def unreadable(error: OSError) -> None:
+        raise InputFormatError(f"cannot read {shown(error.filename or path)} inside SavedModel {shown(path)}: "
+                               f"{error.strerror or error}")
+
+    for folder, dirs, files in os.walk(path, onerror=unreadable):
+        for name in (*dirs, *files):
+            entry = os.path.join(folder, name)
+            info = os.lstat(entry)
+            if stat.S_ISLNK(info.st_mode):
+                continue
+            if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+                raise InputFormatError(
+                    f"SavedModel {shown(path)} holds {os.path.relpath(entry, path)}, {_kind(info.st_mode)}, not a file "
+                    "or folder; remove it from the model directory")
+            if not os.access(entry, os.R_OK | (os.X_OK if stat.S_ISDIR(info.st_mode) else 0)):
+                raise InputFormatError(f"cannot read {os.path.relpath(entry, path)} inside SavedModel {shown(path)}: "
+                                       "permission denied")
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file"
+
+
+def _check_file(path: str) -> None:
+    where = shown(path)
     if not os.path.isfile(path):
         raise InputFormatError(f"{where} is not a regular file or a SavedModel directory")
     if not os.access(path, os.R_OK):
@@ -34,6 +74,11 @@ def check_input(path: str) -> None:
     if os.path.getsize(path) == 0:
         raise empty_error(where)
     sniff_head(_read(path, HEAD_BYTES), where)
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            check_binary(data, where)
+    except (OSError, ValueError) as exc:
+        raise InputFormatError(f"cannot read {where}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def load(path: str) -> Model:

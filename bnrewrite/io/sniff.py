@@ -1,10 +1,13 @@
 """Telling a model's format from its content, not its name.
 
-Protobuf parses almost any bytes as *some* message, so a candidate type is accepted only when
-protobuf keeps no unknown top-level field after parsing the bytes as it (every field number
-and wire type belongs to the type) and the message holds a real graph (nodes with names and
-op types). Bytes that are not protobuf wire format at all, and files plainly something else
-(images, archives, JSON, prose), are named as what they are.
+Before anything is parsed (and before TensorFlow is imported), a walk over the top-level
+protobuf fields of the bytes, one field at a time and keeping nothing per field, decides
+which of SavedModel, MetaGraphDef and GraphDef they can be: every field number and wire type
+must be one the type declares, a singular field must appear once, and a repeated message
+must be long enough to hold a name. Bytes that are not wire format at all, or fit none of
+the types, are rejected there, named as what they look like (zero bytes, a checkpoint
+index, an image, ...). Only then is the one candidate protobuf can still take parsed, and
+accepted when it holds a real graph (nodes with names and op types).
 """
 
 from __future__ import annotations
@@ -13,9 +16,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import empty_pb2, text_format
 from google.protobuf import message as _message
+from google.protobuf import text_format
 
 from bnrewrite.errors import InputFormatError
 from bnrewrite.io.model import MESSAGE_NAMES, one_line, protos
@@ -36,11 +38,23 @@ _MAGIC = (
     (b"\x7fELF", "an executable"),
     (b"\x80", "a Python pickle"),
 )
-_LENGTH_DELIMITED = frozenset({
-    _descriptor.FieldDescriptor.TYPE_MESSAGE, _descriptor.FieldDescriptor.TYPE_STRING,
-    _descriptor.FieldDescriptor.TYPE_BYTES,
-})
-_LENGTH_DELIMITED_WIRE = 2
+_VARINT, _FIXED64, _DELIMITED, _FIXED32 = 0, 1, 2, 5
+#: The top-level fields of each message type the sniffer tells apart: number -> (wire type,
+#: repeated). Written out so that sniffing needs no TensorFlow; a test checks them against
+#: TensorFlow's descriptors.
+FIELDS: dict[str, dict[int, tuple[int, bool]]] = {
+    "savedmodel": {1: (_VARINT, False), 2: (_DELIMITED, True)},
+    "meta": {1: (_DELIMITED, False), 2: (_DELIMITED, False), 3: (_DELIMITED, False), 4: (_DELIMITED, True),
+             5: (_DELIMITED, True), 6: (_DELIMITED, True), 7: (_DELIMITED, False)},
+    "pb": {1: (_DELIMITED, True), 2: (_DELIMITED, False), 3: (_VARINT, False), 4: (_DELIMITED, False),
+           5: (_DELIMITED, False)},
+}
+#: A repeated message of these types (a node, a MetaGraph, a collection) shorter than this
+#: cannot hold a name: such entries are not a model's, and parsing millions of them would
+#: take many times the file's size in memory.
+_MIN_ENTRY = 4
+#: The last 8 bytes of a LevelDB table, the format of a checkpoint's .index file.
+_TABLE_MAGIC = bytes.fromhex("57fb808b247547db")
 _TEXT_KEYS = re.compile(
     r"(^|\s)(node|versions|library|meta_graphs|saved_model_schema_version|meta_info_def|graph_def|"
     r"collection_def|signature_def|saver_def|asset_file_def|object_graph_def|version)\s*[:{<]"
@@ -67,6 +81,97 @@ def sniff_head(head: bytes, shown: str) -> None:
         _raise_not_text_model(text, shown)
 
 
+class _NotWire(Exception):
+    """The bytes are not protobuf wire format; the message says where and why."""
+
+
+def candidates(data: Any) -> list[str]:
+    """The binary formats ("savedmodel", "meta", "pb", in that order) whose top-level fields
+    `data` (bytes, or an mmap of a file) fits. Raises _NotWire when it is not wire format.
+
+    One pass over the top-level fields, skipping their contents; it stops as soon as no
+    type fits, so garbage is rejected after a few fields whatever the file's size.
+    """
+    alive = dict.fromkeys(FIELDS)
+    seen: set[int] = set()
+    size, pos = len(data), 0
+    while pos < size and alive:
+        start = pos
+        tag, pos = _varint(data, pos, size)
+        number, wire = tag >> 3, tag & 7
+        if number == 0:
+            raise _NotWire(f"byte {start} is not a field tag" + (" (it is a zero byte)" if data[start] == 0 else ""))
+        if wire == _VARINT:
+            _, pos = _varint(data, pos, size)
+            length = 0
+        elif wire == _DELIMITED:
+            length, pos = _varint(data, pos, size)
+            pos += length
+        elif wire in (_FIXED64, _FIXED32):
+            pos += 8 if wire == _FIXED64 else 4
+            length = 0
+        else:
+            raise _NotWire(f"the field at byte {start} has wire type {wire}, which no model uses")
+        if pos > size:
+            raise _NotWire(f"the field at byte {start} runs {pos - size} bytes past the end of the file")
+        for kind in list(alive):
+            declared = FIELDS[kind].get(number)
+            if (declared is None or declared[0] != wire or (not declared[1] and number in seen)
+                    or (declared[1] and wire == _DELIMITED and length < _MIN_ENTRY)):
+                del alive[kind]
+        seen.add(number)
+    return list(alive)
+
+
+def _varint(data: Any, pos: int, size: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= size:
+            raise _NotWire(f"a field tag or length at byte {pos} runs past the end of the file")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift >= 64:
+            raise _NotWire(f"a varint ending at byte {pos} is longer than 10 bytes")
+
+
+def what_it_is(data: Any) -> str | None:
+    """What binary bytes that are no model look like, from their first and last bytes."""
+    for magic, what in _MAGIC:
+        if data[: len(magic)] == magic:
+            return what
+    if len(data) >= 48 and data[-8:] == _TABLE_MAGIC:
+        return "a TensorFlow checkpoint's .index file (pass the .meta graph saved with the checkpoint instead)"
+    head = data[: min(len(data), HEAD_BYTES)]
+    if not head.strip(b"\0"):
+        return ("all zero bytes" if len(head) == len(data) else f"zero bytes (its first {len(head)} bytes at least)") + (
+            ", like a checkpoint's .data shard of zero-initialised variables")
+    return None
+
+
+def check_binary(data: Any, shown: str) -> list[str]:
+    """The formats `data` can be (see `candidates`), without TensorFlow; raises InputFormatError
+    naming what the bytes are when they can be none (and are not text, which TensorFlow parses)."""
+    try:
+        kinds = candidates(data)
+    except _NotWire as exc:
+        kinds, why = [], f"{len(data)} bytes that are not protobuf wire format ({exc})"
+    else:
+        why = "its top-level fields match none of these message types"
+    if kinds or _as_text(data[:HEAD_BYTES], partial=len(data) > HEAD_BYTES) is not None:
+        return kinds
+    what = what_it_is(data)
+    if what is not None:
+        raise InputFormatError(f"{shown} is {what}, {_NOT_A_MODEL}")
+    raise InputFormatError(
+        f"{shown} is truncated, corrupt or not a GraphDef, MetaGraphDef or SavedModel: {why}; "
+        "re-export the model or check the path"
+    )
+
+
 def parse_bytes(data: bytes, shown: str = "input") -> tuple[str, Any]:
     """(format, message) for the bytes of a GraphDef, MetaGraphDef or SavedModel file.
 
@@ -75,19 +180,19 @@ def parse_bytes(data: bytes, shown: str = "input") -> tuple[str, Any]:
     """
     if not data.strip():
         raise empty_error(shown)
-    fields = _top_level_fields(data)
+    kinds = check_binary(data, shown)
     binary_problem = decode_error = ""
-    for kind, cls, good in _candidates() if fields else ():
-        if not _fits(fields, cls.DESCRIPTOR):
+    undecoded: list[str] = []
+    for kind, cls, good in _candidates():
+        if kind not in kinds:
             continue
         message = cls()
         try:
             message.ParseFromString(data)
         except (_message.DecodeError, RuntimeError, ValueError) as exc:
-            decode_error = decode_error or f"it does not decode as a {MESSAGE_NAMES[kind]} ({one_line(str(exc), 120)})"
+            undecoded.append(MESSAGE_NAMES[kind])
+            decode_error = decode_error or one_line(str(exc), 120)
             continue
-        if _has_unknown_fields(message):
-            continue  # a wire type `_fits` lets through that protobuf does not: another type's fields
         problem = good(message)
         if problem is None:
             return kind, message
@@ -95,67 +200,13 @@ def parse_bytes(data: bytes, shown: str = "input") -> tuple[str, Any]:
     text = _as_text(data)
     if text is not None:
         return _parse_text(text, shown)
-    for magic, what in _MAGIC:
-        if data.startswith(magic):
-            raise InputFormatError(f"{shown} is {what}, {_NOT_A_MODEL}")
-    if fields is None:
-        raise InputFormatError(
-            f"{shown} is truncated, corrupt or not a GraphDef, MetaGraphDef or SavedModel: its {len(data)} bytes "
-            "are not protobuf wire format (a field runs past the end of the file or is malformed); "
-            "re-export the model or check the path"
-        )
-    detail = binary_problem or decode_error or "its fields match none of these message types"
+    if decode_error and not binary_problem:
+        binary_problem = (f"its top-level fields fit a {' or a '.join(undecoded)} but their contents do not "
+                          f"decode as {'either' if len(undecoded) > 1 else 'one'} ({decode_error})")
+    detail = binary_problem or "its top-level fields match none of these message types"
     raise InputFormatError(
         f"{shown} is corrupt or not a GraphDef, MetaGraphDef or SavedModel: {detail}; re-export the model or check the path"
     )
-
-
-def _top_level_fields(data: bytes) -> set[tuple[int, int]] | None:
-    """(field number, wire type) of every top-level field, or None when `data` is not protobuf
-    wire format: parsed as a message type without fields, protobuf keeps each field as an
-    unknown one (its contents unread)."""
-    empty = empty_pb2.Empty()
-    try:
-        empty.ParseFromString(data)
-    except _message.DecodeError:
-        return None
-    return {(f.field_number, f.wire_type) for f in _unknown_fields(empty)}
-
-
-def _fits(fields: set[tuple[int, int]], descriptor: Any) -> bool:
-    """Every top-level field is one the message type declares, length-delimited (wire type 2)
-    exactly when the type's field is a message, string, bytes or packed repeated scalar: a quick
-    choice of which types to parse (protobuf checks the exact wire types while parsing)."""
-    by_number = descriptor.fields_by_number
-    for number, wire in fields:
-        field = by_number.get(number)
-        if field is None:
-            return False
-        delimited = field.type in _LENGTH_DELIMITED
-        if (wire == _LENGTH_DELIMITED_WIRE) != delimited and not (wire == _LENGTH_DELIMITED_WIRE and _repeated(field)):
-            return False
-    return True
-
-
-def _repeated(field: Any) -> bool:
-    repeated = getattr(field, "is_repeated", None)
-    if repeated is None:  # protobuf < 5.28
-        return field.label == _descriptor.FieldDescriptor.LABEL_REPEATED
-    return bool(repeated)
-
-
-def _unknown_fields(message: Any) -> Any:
-    """The top-level fields parsing kept that `message`'s type does not declare (or declares
-    with another wire type)."""
-    try:
-        from google.protobuf import unknown_fields
-    except ImportError:  # protobuf < 4.24 (TensorFlow 2.16 allows 3.20)
-        return message.UnknownFields()
-    return unknown_fields.UnknownFieldSet(message)
-
-
-def _has_unknown_fields(message: Any) -> bool:
-    return len(_unknown_fields(message)) > 0
 
 
 def graph_problem(graph_def: Any) -> str | None:

@@ -11,9 +11,12 @@ from tensorflow.python.framework import tensor_util
 
 from bnrewrite.graph import Device, Graph
 from bnrewrite.nodes import MARK
+from bnrewrite.opcheck import check_attrs
 
 FUSED_FORWARD = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
 FUSED_GRAD = frozenset({"FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3"})
+#: Ops whose attrs the rewrite reads (and copies into the nodes it builds).
+_ATTRS_READ = FUSED_FORWARD | FUSED_GRAD | {"Mean"}
 VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable", "_VarHandlesOp"})
 #: Ops a variable's value passes through unchanged on its way to a consumer.
 _READ_THROUGH = frozenset({
@@ -136,12 +139,19 @@ def resolve_variable(graph: Graph, node: str) -> str | None:
 def follow_identities(graph: Graph, node: str, output: int) -> list[tuple[str, int]]:
     """Consumers of (node, output) as (consumer, slot), looking through Identity chains."""
     found = []
-    for edge in graph.consumers_of(node, output):
-        consumer = graph.node(edge.consumer)
-        if consumer.op == "Identity":
-            found.extend(follow_identities(graph, edge.consumer, 0))
-        else:
+    # Depth first, in the order recursion would visit them, but with a stack of iterators: a
+    # chain can be thousands of Identity ops long.
+    stack = [iter(graph.consumers_of(node, output))]
+    seen = {node}
+    while stack:
+        edge = next(stack[-1], None)
+        if edge is None:
+            stack.pop()
+        elif graph.node(edge.consumer).op != "Identity":
             found.append((edge.consumer, edge.slot))
+        elif edge.consumer not in seen:
+            seen.add(edge.consumer)
+            stack.append(iter(graph.consumers_of(edge.consumer, 0)))
     return found
 
 
@@ -162,6 +172,8 @@ def scan(graph: Graph) -> Census:
         if MARK in node.attr:
             census.rewritten.append(node.name)
             continue
+        if node.op in _ATTRS_READ:
+            check_attrs(node)  # the rewrite builds its nodes from these attrs
         if node.op == "Mean":
             site, reason = _moments_site(graph, node, gradient_reshapes)
             if site is not None:
@@ -388,7 +400,21 @@ def _grad_mismatch(graph: Graph, forward: str, grad: str, slot: int) -> str:
         return f"its gradient {grad} is in inference mode"
     if any(src == forward for src, _ in inputs[:3]) or inputs[1] != graph.inputs(forward)[0]:
         return f"{grad} does not read the op's input x and an incoming gradient as tf.gradients builds it"
+    if _behind_identities(graph, inputs[4]) != (forward, 4):
+        return f"{grad} reads {inputs[4][0]}:{inputs[4][1]} as reserve_space_2, not the op's output 4"
     return ""
+
+
+def _behind_identities(graph: Graph, tensor: tuple[str, int]) -> tuple[str, int]:
+    """The tensor an Identity chain (of any length) passes on."""
+    seen = set()
+    while tensor[0] in graph and tensor[0] not in seen and graph.node(tensor[0]).op == "Identity":
+        seen.add(tensor[0])
+        inputs = graph.inputs(tensor[0])
+        if not inputs:
+            break
+        tensor = inputs[0]
+    return tensor
 
 
 def _fused_site(graph: Graph, node: object) -> tuple[Site | None, str]:

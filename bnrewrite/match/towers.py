@@ -10,6 +10,7 @@ failing that, by structure.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ def group_towers(graph: Graph, sites: list[Site], by: str = "auto", min_towers: 
     tower = {s.name: tower_of(s, by, replica_scopes) for s in sites}
     ids = sorted(set(tower.values()), key=_natural)
     if len(ids) < min_towers or not ids:
-        where = f"device {ids[0]}" if by == "device" and ids else f"scope {ids[0]!r}" if ids else "nowhere"
+        where = f"device {shown_tower(ids[0])}" if by == "device" and ids else f"scope {ids[0]!r}" if ids else "nowhere"
         raise NoTowersError(
             f"training batch norm found in only one tower ({where}, told apart by {by}); "
             "bnrewrite needs a graph replicated over 2 or more towers (devices or name scopes)"
@@ -109,7 +110,7 @@ def group_towers(graph: Graph, sites: list[Site], by: str = "auto", min_towers: 
     groups.sort(key=lambda g: order[g.sites[0].name])
     if not groups:
         raise TowerMismatchError(
-            f"found towers {', '.join(ids)} but no batch-norm layer lines up across them "
+            f"found towers {', '.join(map(shown_tower, ids))} but no batch-norm layer lines up across them "
             f"({skips[0].node}: {skips[0].reason}); check that every tower builds the same model"
         )
     return Towers(tuple(ids), by, tuple(groups), tuple(skips), _layout(groups, variables))
@@ -142,15 +143,25 @@ def _mismatch(members: list[Site], tower: dict[str, str], ids: list[str]) -> str
         seen[tower[s.name]].append(s.name)
     twice = [t for t, names in seen.items() if len(names) > 1]
     if twice:
-        return f"used {len(seen[twice[0]])} times in tower {twice[0]}; a layer must appear once per tower"
+        return f"used {len(seen[twice[0]])} times in tower {shown_tower(twice[0])}; a layer must appear once per tower"
     missing = [t for t in ids if t not in seen]
     if missing:
-        return f"missing from tower(s) {', '.join(missing)}"
+        return f"missing from tower(s) {', '.join(map(shown_tower, missing))}"
     first = members[0]
     for s in members[1:]:
         for attr in ("op", "data_format", "dtype", "stat_dtype", "epsilon", "avg_factor", "channels"):
-            if getattr(s, attr) != getattr(first, attr):
+            if not _same(getattr(s, attr), getattr(first, attr)):
                 return f"{attr} differs between towers ({getattr(first, attr)} vs {getattr(s, attr)})"
         if len(s.grads) != len(first.grads):
             return f"has {len(first.grads)} gradient op(s) in one tower and {len(s.grads)} in another"
     return ""
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal, NaN counting as equal to NaN (an attr copied from one tower to the next)."""
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def shown_tower(tower: str) -> str:
+    """A tower id as messages show it: the towers of nodes without a device have an empty one."""
+    return tower or "(no device)"
