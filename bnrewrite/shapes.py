@@ -275,8 +275,9 @@ def _reduce(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shape,
 
 def _reshape(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shape, ...]:
     target = _const(producer, 1)
-    if target is None:
-        return (None,)
+    if target is None:  # the rank, if the shape argument's length is known
+        size = ins[1]
+        return (None if size is None or len(size) != 1 or size[0] < 0 else (-1,) * size[0],)
     dims = [int(d) for d in np.asarray(target).reshape(-1)]
     free = [i for i, d in enumerate(dims) if d == -1]
     if len(free) > 1 or any(d < -1 for d in dims):
