@@ -15,6 +15,7 @@ A shape is a tuple of dimensions, -1 for an unknown one, or None for an unknown 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -80,14 +81,15 @@ class ShapeInference:
                 shapes[name] = ()
                 continue
             known = [shapes[src][out] if out < len(shapes[src]) else None for src, out in inputs]
-
-            def producer(i: int, inputs: list[tuple[str, int]] = inputs) -> NodeDef | None:
-                return self._node(inputs[i][0]) if i < len(inputs) and inputs[i][1] == 0 else None
-
             try:
-                shapes[name] = rule(node, known, producer)
+                shapes[name] = rule(node, known, functools.partial(self._producer, inputs))
             except (ValueError, IndexError, TypeError, ZeroDivisionError):  # attributes TensorFlow would refuse
                 shapes[name] = ()
+
+
+    def _producer(self, inputs: list[tuple[str, int]], i: int) -> NodeDef | None:
+        """The node whose output 0 is data input i (a Const that shape arguments come from)."""
+        return self._node(inputs[i][0]) if i < len(inputs) and inputs[i][1] == 0 else None
 
 
 def _recorded(node: NodeDef | None) -> tuple[Shape, ...]:
@@ -171,6 +173,7 @@ def _broadcast(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Sha
 
 
 def _add_n(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shape, ...]:
+    """All inputs have one shape: each dimension is whichever input knows it."""
     known = [s for s in ins if s is not None]
     if not known or len({len(s) for s in known}) > 1:
         return (None,)
@@ -179,9 +182,10 @@ def _add_n(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shape, 
 
 def _spatial(node: NodeDef, x: Shape) -> tuple[bool, int, int, int, int] | None:
     """(channels first, batch, height, width, channels) of a 4-d activation, by data_format."""
-    if x is None or len(x) != 4:
+    layout = _text(node, "data_format", b"NHWC")
+    if x is None or len(x) != 4 or layout not in (b"NHWC", b"NCHW"):
         return None
-    first = _text(node, "data_format", b"NHWC") == b"NCHW"
+    first = layout == b"NCHW"
     n, c, h, w = x if first else (x[0], x[3], x[1], x[2])
     return first, n, h, w, c
 
@@ -314,18 +318,23 @@ def _pad(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shape, ..
     return (tuple(d + before + after if d >= 0 else -1 for d, (before, after) in zip(x, pairs)),)
 
 
+def _known_ranks(shapes: Sequence[Shape]) -> list[tuple[int, ...]] | None:
+    """The shapes, if every rank is known and the same."""
+    known = [s for s in shapes if s is not None]
+    return known if known and len(known) == len(shapes) and len({len(s) for s in known}) == 1 else None
+
+
 def _concat(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shape, ...]:
     count = len(ins) - 1
-    axis, parts = _const(producer, count), ins[:count]
-    if axis is None or any(p is None for p in parts) or len({len(p) for p in parts}) != 1:  # type: ignore[arg-type]
+    axis, parts = _const(producer, count), _known_ranks(ins[:count])
+    if axis is None or parts is None:
         return (None,)
-    rank = len(parts[0])  # type: ignore[arg-type]
-    a = int(axis)
+    rank, a = len(parts[0]), int(axis)
     if not -rank <= a < rank:
         raise ValueError("concat axis out of range")
     a %= rank
     out = []
-    for i, dims in enumerate(zip(*parts)):  # type: ignore[misc]
+    for i, dims in enumerate(zip(*parts)):
         out.append((sum(dims) if all(d >= 0 for d in dims) else -1) if i == a else _merge(dims))
     return (tuple(out),)
 
@@ -367,9 +376,11 @@ def _switch(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shape,
 
 
 def _merge_op(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shape, ...]:
-    if any(s is None for s in ins) or len({len(s) for s in ins}) != 1:  # type: ignore[arg-type]
+    """Output 0 is whichever input is ready: only what all inputs agree on is known."""
+    parts = _known_ranks(ins)
+    if parts is None:
         return (None, ())
-    return (tuple(dims[0] if len(set(dims)) == 1 else -1 for dims in zip(*ins)), ())  # type: ignore[misc]
+    return (tuple(dims[0] if len(set(dims)) == 1 else -1 for dims in zip(*parts)), ())
 
 
 _UNARY = (

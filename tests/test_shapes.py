@@ -6,6 +6,7 @@ tf.Graph records on every tensor it builds."""
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.core.framework.node_def_pb2 import NodeDef
 
 from bnrewrite import rewrite_graph
 from bnrewrite.graph import Graph
@@ -168,6 +169,23 @@ def test_ops_not_followed_leave_the_shape_unknown():
         y = tf.nn.relu(tf.raw_ops.Unique(x=_ph((4,))).y)
     nodes = {n.name: n for n in graph.as_graph_def().node}
     assert y.shape.as_list() == [None] and ShapeInference(nodes.get).shape(y.op.name) is None
+
+
+def _node(name: str, op: str, *inputs: str) -> NodeDef:
+    return NodeDef(name=name, op=op, input=list(inputs))
+
+
+def test_a_deep_chain_and_a_cycle():
+    """Iterative: a chain far deeper than Python's recursion limit; a cycle (which a valid
+    graph has only through NextIteration, an op not followed) ends unknown instead of looping."""
+    x = _node("x", "Placeholder")
+    x.attr["shape"].shape.CopyFrom(tf.TensorShape([2, 3]).as_proto())
+    chain = [x] + [_node(f"r{i}", "Relu", "r{}".format(i - 1) if i else "x") for i in range(20000)]
+    nodes = {n.name: n for n in chain}
+    assert ShapeInference(nodes.get).shape("r19999") == (2, 3)
+    loop = {n.name: n for n in (x, _node("merge", "Merge", "x", "relu"), _node("relu", "Relu", "merge"))}
+    inference = ShapeInference(loop.get)
+    assert inference.shape("relu") is None and inference.shape("merge") is None and inference.shape("x") == (2, 3)
 
 
 def test_elements_known_only_when_every_dimension_is():
