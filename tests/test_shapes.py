@@ -12,7 +12,7 @@ from bnrewrite import rewrite_graph
 from bnrewrite.graph import Graph
 from bnrewrite.passes.sites import DEVIATIONS_ATTR
 from bnrewrite.shapes import ShapeInference
-from models import Spec, build_reference, build_towers, kernel_gradients, kernel_moments, make_batches, max_rel_error, train
+from models import Spec, assert_synced, build_reference, build_towers, kernel_gradients, kernel_moments, make_batches, train
 
 tf1 = tf.compat.v1
 
@@ -255,10 +255,8 @@ def test_bare_graph_def_trains_like_one_device(kernels, monkeypatch):
     result = rewrite_graph(built.graph.as_graph_def())
     assert len(kernel_moments(result.graph_def)) == len(kernel_gradients(result.graph_def)) == (4 if kernels else 0)
     assert sum(DEVIATIONS_ATTR in n.attr for n in result.graph_def.node) == (0 if kernels else 4)
-    data = make_batches(spec, 3)
-    ref = build_reference(spec)
-    expected = train(ref.graph, ref, data, num_devices=1)
-    synced = max_rel_error(train(result.graph_def, built, data, num_devices=spec.towers), expected)
-    unsynced = max_rel_error(train(built.graph, built, data, num_devices=spec.towers), expected)
-    print(f"bare GraphDef, {'kernels' if kernels else 'passes'}: synced {synced:.2e}, unsynced {unsynced:.2e}")
-    assert unsynced > 1e-2 and synced <= 2e-4
+    data, ref = make_batches(spec, 3), build_reference(spec)
+    assert_synced(f"bare GraphDef, {'kernels' if kernels else 'passes'}",
+                  train(result.graph_def, built, data, num_devices=spec.towers),
+                  train(built.graph, built, data, num_devices=spec.towers),
+                  train(ref.graph, ref, data, num_devices=1), 2e-4)
