@@ -237,9 +237,9 @@ def _rewrite(
         report.notes.append(report_note)
     if unsized:
         report.notes.append(
-            f"{unsized} layer(s) on CPU towers: elementwise passes, as the graph records no static shapes (fused "
+            f"{unsized} layer(s) on CPU towers: elementwise passes, as their inputs' static shapes are unknown (fused "
             f"kernels, faster from {KERNEL_MIN_ELEMENTS} elements per tower, need them: "
-            "convert a .meta or pass a tf.Graph)")
+            "give the placeholders fully defined shapes)")
     devices = [site.device for site in plan.groups[0].sites]
     if len(set(devices)) < len(devices):
         report.notes.append(

@@ -14,15 +14,17 @@ puts the storage in graph order and drops the stale nodes.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
 
 from tensorflow.core.framework import graph_pb2, node_def_pb2
 
 from bnrewrite.errors import GraphValidationError
+
+if TYPE_CHECKING:
+    from bnrewrite.shapes import ShapeInference
 
 NodeDef = node_def_pb2.NodeDef
 
@@ -119,6 +121,7 @@ class Graph:
         library: object = None,
         consumers: dict[str, list[str]] | None = None,
         change: "_Change | None" = None,
+        origin: "Graph | None" = None,
     ) -> None:
         self._nodes = nodes  # name -> position: p >= 0 is storage.node[p], p < 0 is source.node[~p]
         self._source = source  # the GraphDef read; never written unless it is the storage
@@ -134,6 +137,7 @@ class Graph:
         self._numbering: dict[str, int] | None = None  # set by validate(): the graph is valid
         self._wide: dict[str, dict[str, list[tuple[int, int]]]] = {}  # see _edges_of
         self._undo: _InPlaceUndo | None = None  # set by to_graph_def in place
+        self._origin = origin or self  # the graph as read, which every graph edited from it shares
 
     @classmethod
     def from_graph_def(cls, graph_def: graph_pb2.GraphDef, *, storage: graph_pb2.GraphDef | None = None) -> "Graph":
@@ -339,15 +343,30 @@ class Graph:
             raise GraphValidationError(f"node {name!r}: {exc}") from None
 
     def static_elements(self, spec: str) -> int | None:
-        """The number of elements of tensor `spec` when the graph records its static shape
-        (`_output_shapes`, as tf.train.export_meta_graph writes), else None."""
+        """The number of elements of tensor `spec` when its static shape is known: recorded
+        (`_output_shapes`, as tf.train.export_meta_graph writes) or, for a node still as read,
+        inferred from the graph as read (bnrewrite.shapes); else None. The input is not changed."""
         src, output = parse_input(spec)
-        attrs = self.node(src).attr if src in self else {}
-        shapes = attrs["_output_shapes"].list.shape if "_output_shapes" in attrs else ()  # (reading adds a missing key)
-        if output < 0 or output >= len(shapes) or shapes[output].unknown_rank:
+        if output < 0 or src not in self._nodes:
             return None
-        sizes = [d.size for d in shapes[output].dim]
-        return None if any(size < 0 for size in sizes) else math.prod(sizes)
+        from bnrewrite.shapes import elements, from_proto  # shapes reads the graph model's inputs
+
+        attrs = self.node(src).attr
+        if "_output_shapes" in attrs:  # (reading a missing key would add it)
+            shapes = attrs["_output_shapes"].list.shape
+            return elements(from_proto(shapes[output])) if output < len(shapes) else None
+        origin = self._origin
+        if origin._nodes.get(src) != self._nodes[src]:
+            return None  # added or changed by an edit: the graph as read does not tell
+        return elements(origin._shape_inference.shape(src, output))
+
+    @cached_property
+    def _shape_inference(self) -> "ShapeInference":
+        """Shapes inferred over this graph's nodes; used on the graph as read (`_origin`)."""
+        from bnrewrite.shapes import ShapeInference
+
+        nodes, node_at = self._nodes, self._node_at
+        return ShapeInference(lambda name: node_at(nodes[name]) if name in nodes else None)
 
     def topological_order(self) -> list[str]:
         """Kahn's order over data and control edges, loop back-edges ignored.
@@ -635,7 +654,7 @@ class Editor:
         change = _Change(self._base, touched, self._removed - self._nodes.keys(), inputs)
         consumers = None if self._base._consumers is None else change.updated_consumers(self._nodes)
         base = self._base
-        return Graph(self._nodes, base._source, base._storage, base._names, self.library, consumers, change)
+        return Graph(self._nodes, base._source, base._storage, base._names, self.library, consumers, change, base._origin)
 
 
 def copy_fields(source: Any, target: Any, but: str) -> None:

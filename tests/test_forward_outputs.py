@@ -4,6 +4,8 @@ for small float32 activations (known from static shapes), an IdentityN of its na
 place, fed by elementwise passes; either way its outputs read directly are the one-device
 op's: y, the batch mean and the Bessel-corrected batch variance of the global batch."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -36,12 +38,12 @@ def _fused_relus(graph_def, built, spec: Spec) -> int:
 
 @pytest.mark.parametrize("layer", ["legacy", "fused_op"])
 def test_relu_stays_fused_with_the_batch_norm(layer):
-    """Where the op stays (here: a GraphDef without static shapes). Where small activations
-    are normalized by passes, the ReLU runs as an op of its own."""
+    """Where the op stays (here: the batch size unknown, so the activations are not known to
+    be small). Where small activations are normalized by passes, the ReLU runs as an op of its own."""
     spec = Spec(towers=2, layer=layer)
-    built = build_towers(spec)
+    built, unknown = build_towers(spec), build_towers(replace(spec, uneven=True))
     before = _fused_relus(built.graph.as_graph_def(), built, spec)
-    after = _fused_relus(rewrite_graph(built.graph.as_graph_def()).graph_def, built, spec)
+    after = _fused_relus(rewrite_graph(unknown.graph.as_graph_def()).graph_def, unknown, spec)
     by_passes = _fused_relus(rewrite_graph(built.graph).graph_def, built, spec)
     print(f"{layer}: batch norms fused with a ReLU: un-rewritten {before}, rewritten {after}, by passes {by_passes}")
     assert before == 2 * spec.towers and after == before and by_passes == 0
@@ -66,22 +68,22 @@ def _one_device(x: np.ndarray, factor: float) -> list[np.ndarray]:
         return session.run(list(out[:3]))
 
 
-@pytest.mark.parametrize("factor, shapes, op", [(1.0, False, "FusedBatchNormV3"), (1.0, True, "IdentityN"),
-                                               (0.25, True, "IdentityN")])
-def test_outputs_read_directly_are_the_global_batchs(factor, shapes, op):
-    """factor 1: the op itself, or, with the static shapes that show it small, the IdentityN
-    that replaces it; otherwise (blends) the IdentityN."""
+@pytest.mark.parametrize("factor, known, op", [(1.0, False, "FusedBatchNormV3"), (1.0, True, "IdentityN"),
+                                              (0.25, True, "IdentityN")])
+def test_outputs_read_directly_are_the_global_batchs(factor, known, op):
+    """factor 1: the op itself, or, with the static shapes that show it small (inferred from
+    the bare GraphDef), the IdentityN that replaces it; otherwise (blends) the IdentityN."""
     k, shape = 2, (3, 4, 5, 6)
     graph, sites = tf.Graph(), []
     with graph.as_default():
         for i in range(k):
             with tf.device(f"/cpu:{i}"), tf.name_scope(f"tower_{i}"), tf1.variable_scope("", reuse=i > 0):
-                x = tf1.placeholder(tf.float32, shape, name="x")
+                x = tf1.placeholder(tf.float32, shape if known else (None, *shape[1:]), name="x")
                 out = _fused(x, factor)
                 tf.gradients(tf.reduce_sum(out.y ** 2), [x])
                 sites.append(out.y.op.name)
         init = tf1.global_variables_initializer().name
-    result = rewrite_graph(graph if shapes else graph.as_graph_def())
+    result = rewrite_graph(graph.as_graph_def())
     kept = [n for n in result.graph_def.node if n.name in sites]
     assert [n.op for n in kept] == [op] * k
     rng = np.random.default_rng(0)

@@ -35,9 +35,12 @@ def _towers(k: int, shape: tuple, data_format: str = "NHWC", dtype=tf.float32) -
 LARGE = (2, 32, 64, 32)  # 131,072 elements per tower: KERNEL_MIN_ELEMENTS
 
 
-def test_large_channels_last_float32_takes_the_kernels():
+@pytest.mark.parametrize("bare", [False, True], ids=["tf.Graph", "bare GraphDef"])
+def test_large_channels_last_float32_takes_the_kernels(bare):
+    """Also from a GraphDef that records no shapes: they are inferred (bnrewrite.shapes)."""
     assert np.prod(LARGE) == KERNEL_MIN_ELEMENTS
-    result = rewrite_graph(_towers(2, LARGE))
+    graph = _towers(2, LARGE)
+    result = rewrite_graph(graph.as_graph_def() if bare else graph)
     assert not [note for note in result.report.notes if "static shapes" in note]
     assert sorted(kernel_moments(result.graph_def)) == [f"tower_{i}/sync_bn/local_moments" for i in range(2)]
     assert sorted(kernel_gradients(result.graph_def)) == [
@@ -49,8 +52,8 @@ def test_large_channels_last_float32_takes_the_kernels():
     ("channels first", lambda: _towers(2, (2, 32, 32, 64), data_format="NCHW")),
     ("float16 channels first", lambda: _towers(2, (2, 8, 4, 4), data_format="NCHW", dtype=tf.float16)),
     ("bfloat16", lambda: _towers(2, LARGE, dtype=tf.bfloat16)),
-    ("no static shapes recorded", lambda: _towers(2, LARGE).as_graph_def()),
     ("batch size unknown", lambda: _towers(2, (None, *LARGE[1:]))),
+    ("bare GraphDef, batch size unknown", lambda: _towers(2, (None, *LARGE[1:])).as_graph_def()),
 ])
 def test_otherwise_the_elementwise_passes(why, graph):
     result = rewrite_graph(graph())
@@ -78,7 +81,8 @@ SITE = "tower_0/FusedBatchNormV3"
 @pytest.mark.parametrize("why, graph, by_passes", [
     ("float32 one element short", lambda: _towers(2, (2, 32, 64, 32 - 1)), True),
     ("float32 at the threshold", lambda: _towers(2, LARGE), False),
-    ("no static shapes recorded", lambda: _towers(2, (2, 4, 4, 8)).as_graph_def(), False),
+    ("bare GraphDef, shapes inferred", lambda: _towers(2, (2, 4, 4, 8)).as_graph_def(), True),
+    ("bare GraphDef, batch size unknown", lambda: _towers(2, (None, 4, 4, 8)).as_graph_def(), False),
     ("batch size unknown", lambda: _towers(2, (None, 4, 4, 8)), False),
     ("channels first", lambda: _towers(2, (2, 8, 4, 4), data_format="NCHW"), False),
     ("float16", lambda: _towers(2, (2, 4, 4, 8), dtype=tf.float16), False),
@@ -132,8 +136,11 @@ def test_kernel_path_trains_like_one_device(spec, monkeypatch):
 
 
 def test_report_says_when_shapes_are_missing():
-    """A bare GraphDef of a layer that could take the kernels: the report says why it did not."""
-    notes = [note for note in rewrite_graph(_towers(2, LARGE).as_graph_def()).report.notes if "static shapes" in note]
+    """A layer that could take the kernels but whose input's size is unknown (a placeholder of
+    unknown batch size; a bare GraphDef's shapes are otherwise inferred): the report says why it
+    did not."""
+    unknown = (None, *LARGE[1:])
+    notes = [note for note in rewrite_graph(_towers(2, unknown).as_graph_def()).report.notes if "static shapes" in note]
     assert len(notes) == 1 and notes[0].startswith("1 layer(s) on CPU towers: elementwise passes"), notes
-    assert not [note for note in rewrite_graph(_towers(2, LARGE, data_format="NCHW").as_graph_def()).report.notes
-                if "static shapes" in note]
+    for graph in (_towers(2, LARGE).as_graph_def(), _towers(2, unknown, data_format="NCHW").as_graph_def()):
+        assert not [note for note in rewrite_graph(graph).report.notes if "static shapes" in note]

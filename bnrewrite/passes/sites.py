@@ -92,8 +92,8 @@ KERNEL_DTYPES = frozenset({DT_FLOAT, DT_HALF})
 def kernel_sized(graph: Graph, site: Site, activation: str) -> bool:
     """Whether a fused site's rewrite should use fused batch-norm kernels on `activation`
     rather than elementwise passes: channels last, on a CPU tower, and float16, or float32 of
-    at least KERNEL_MIN_ELEMENTS elements per tower by the graph's recorded static shape. GPU
-    towers keep the passes: unmeasured there."""
+    at least KERNEL_MIN_ELEMENTS elements per tower by its static shape (recorded or inferred:
+    Graph.static_elements). GPU towers keep the passes: unmeasured there."""
     if not _kernel_kind(site):
         return False
     if site.dtype == DT_HALF:
@@ -111,8 +111,9 @@ def passes_sized(graph: Graph, site: Site, activation: str) -> bool:
 
 
 def kernel_size_unknown(graph: Graph, site: Site) -> bool:
-    """Whether a fused site could take the kernels but the graph records no static shape of
-    its input to tell (a float32 GraphDef saved without `_output_shapes`)."""
+    """Whether a fused site could take the kernels but its input's static shape is unknown,
+    recorded or inferred (a placeholder of unknown batch size upstream, an op bnrewrite.shapes
+    does not follow)."""
     return (site.kind == "fused" and _kernel_kind(site) and site.dtype != DT_HALF
             and graph.static_elements(graph.node(site.name).input[0]) is None)
 

@@ -16,7 +16,7 @@ A FusedBatchNormGrad alone cannot do this: it treats the batch statistics as its
 The gradient op is replaced by an IdentityN of the same name, so its consumers are unchanged.
 
 On a CPU tower with channels-last data in float16, or in float32 known to be large (at least
-KERNEL_MIN_ELEMENTS elements per tower by its recorded static shape: see
+KERNEL_MIN_ELEMENTS elements per tower by its static shape: see
 bnrewrite.passes.sites), the same dx comes from two fused kernels instead of six elementwise
 passes: an inference-mode FusedBatchNormGradV3 fed the global moments gives scale*rstd*dy and
 both local sums in one pass over dy and x, and after the all-reduce an inference-mode

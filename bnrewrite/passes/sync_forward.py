@@ -4,7 +4,7 @@ The global moments come from `bnrewrite.statistics.global_moments` (one float64 
 Chan's combine) of each tower's local moments. Those come from elementwise passes (a sum, then
 the deviations from the local mean, squared and summed) or, on a CPU tower with channels-last
 data in float16, or in float32 known to be large (at least KERNEL_MIN_ELEMENTS elements per
-tower by its recorded static shape: see bnrewrite.passes.sites), from a training-mode
+tower by its static shape: see bnrewrite.passes.sites), from a training-mode
 FusedBatchNormV3 of x: its batch mean and Bessel-corrected variance, computed around the local
 mean as the passes do, whose y goes unused. The kernel reads x about as often as the passes
 and writes one tensor, as SquaredDifference does; on 4 virtual CPUs it takes 0.61-0.86 of the
@@ -29,7 +29,7 @@ Where exponential_avg_factor is not 1 (outputs 1 and 2 are then blends, which an
 inference-mode op cannot pass on) and inside function bodies (whose return values name the
 op's outputs), the op is replaced by an IdentityN of the same name instead, with y from an
 inference-mode op beside it and outputs 1-5 as above.
-Float32 channels-last activations on CPU towers that the recorded static shape shows to be
+Float32 channels-last activations on CPU towers that the static shape shows to be
 below KERNEL_MIN_ELEMENTS per tower get the IdentityN too, with y from elementwise passes and
 the ReLU after it left an op of its own: oneDNN's batch-norm kernel costs a near-fixed ~40 us a
 call. y comes from the deviations of x from the tower's own mean that the local moments
