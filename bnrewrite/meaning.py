@@ -5,10 +5,9 @@ longer waits on any moving-average update). So after the passes, and apart from 
 rewritten graph's effects are compared with the input's:
 
 1. every target (a node nothing reads, or one that waits on an update: train ops, groups)
-   that updated a variable still updates it: once per step for the moving averages the
-   towers share (never more), at most as often as before for any other variable (a target
-   may come to wait on another tower's copies: synchronized towers wait on each other), except
-   state only removed duplicates wrote (a duplicate's own zero-debias variables);
+   still runs every writer of a variable it ran, but those removed as duplicates, and, for
+   the moving averages the towers share, exactly one of the towers' updates (a target may
+   come to run more: synchronized towers wait on each other);
 2. every inserted all-reduce has one member per tower of its group, and a step (a target
    that ran every tower's batch-norm gradients: the train op) runs every member of every
    all-reduce (a member left out hangs the step);
@@ -106,14 +105,14 @@ def gradient_ops(plan: Plan) -> list[str]:
     return [g for group in plan.groups for site in group.sites for g in (*site.grads, *site.variance_grads)]
 
 
-def shared_statistics(plan: Plan) -> set[str]:
-    """Moving-average variables that several towers' sites update: one update each after."""
+def shared_statistics(plan: Plan) -> dict[str, set[str]]:
+    """Moving-average variables that several towers' sites update -> those updates."""
     writers_of: dict[str, set[str]] = {}
     for group in plan.groups:
         for site in group.sites:
             for update in site.updates:
                 writers_of.setdefault(update.variable, set()).add(update.node)
-    return {v for v, nodes in writers_of.items() if len(nodes) > 1}
+    return {v: nodes for v, nodes in writers_of.items() if len(nodes) > 1}
 
 
 def check_meaning(before: Effects, after_graph: Graph, plan: Plan, removed: set[str]) -> None:
@@ -129,12 +128,15 @@ def check_meaning(before: Effects, after_graph: Graph, plan: Plan, removed: set[
             continue
         now = after.updates.get(target, {})
         for variable in ran.keys() | now.keys():
-            was, count = len(ran.get(variable, ())), len(now.get(variable, ()))
-            if not count and variable not in shared and ran[variable] <= removed:
-                continue  # state of removed duplicates only (their own zero-debias variables)
-            if variable in shared and count > 1 or was and not (1 <= count <= was):
-                wrong.append(f"{target} updates {variable} {count} time(s) per step, {was} before")
-    _fail_if("every target updates what it updated before, once per shared moving average", wrong)
+            was, runs = ran.get(variable, set()), now.get(variable, set())
+            gone = was - removed - runs
+            if gone:
+                wrong.append(f"{target} no longer runs {', '.join(sorted(gone)[:_SHOWN])}, which update(s) {variable}")
+            elif variable in shared:
+                count = len(runs & shared[variable])
+                if count > 1 or not count and was & shared[variable]:
+                    wrong.append(f"{target} runs {count} of the towers' updates of {variable} per step")
+    _fail_if("every target runs what it ran before and one update per shared moving average", wrong)
     waits = [f"{g} now waits on updates of {', '.join(sorted(after.gradient_waits[g]))}"
              for g, was in before.gradient_waits.items() if not was and after.gradient_waits.get(g)]
     _fail_if("a batch-norm gradient that waited on no update waits on none", waits)
