@@ -26,7 +26,7 @@ from bnrewrite.errors import BackendError, NoTowersError
 from models import (
     Result, Spec, assert_synced, build_reference, build_towers, make_batches, max_rel_error, rel_errors, train,
 )
-from trainers import PLACEMENTS, UPDATE_CHOICES, Trainer, clones, independent, inception, run
+from trainers import PLACEMENTS, UPDATE_CHOICES, Trainer, blended, clones, independent, inception, run
 
 STEPS, BATCH = 3, 2
 TOLERANCE = 1e-4  # float32, per tensor (norm-wise relative), as the other oracle tests
@@ -43,7 +43,7 @@ def _data(k: int) -> list:
 @functools.cache
 def _reference(builder: str, k: int, *args) -> Result:
     """One device fed all K*B examples, the same model (built once per parameter set)."""
-    trainer = {"inception": inception, "clones": clones}[builder](1, k * BATCH, *args)
+    trainer = {"inception": inception, "clones": clones, "blended": blended}[builder](1, k * BATCH, *args)
     return run(trainer.graph, trainer, _data(k), 1)[0]
 
 
@@ -77,6 +77,19 @@ def test_inception_trainer_trains_like_one_device(k: int, updates: str):
     print(report)
     _assert_statistics_updated(synced, initial, expected)
     assert_synced(f"inception K={k} {updates}", synced, unsynced, expected, TOLERANCE)
+
+
+@pytest.mark.parametrize("updates", ["last", "middle", "separate"])
+def test_blending_fused_op_with_one_towers_assigns_trains_like_one_device(updates: str):
+    """exponential_avg_factor: the running statistics blended in the op and stored by assigns."""
+    k = 3
+    trainer = blended(k, BATCH, updates)
+    expected = _reference("blended", k)
+    synced, initial, report = _rewritten(trainer, k)
+    unsynced = run(trainer.graph, trainer, _data(k), k)[0]
+    stale = [n for n in synced.variables if "moving_" in n and np.array_equal(synced.variables[n], initial[n])]
+    assert not stale, f"never updated: {stale}"
+    assert_synced(f"blended K={k} {updates}", synced, unsynced, expected, TOLERANCE)
 
 
 INDEPENDENT = [(2, True), (3, False)]

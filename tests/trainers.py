@@ -21,6 +21,9 @@ its tower), same optimizer.
   on /cpu:i with its own variables (variable scope v<i>), its own optimizer applying its own
   gradients only, tf_keras legacy batch_normalization; every tower's updates in the train op.
   K trainings in one graph.
+* blended(towers, batch, updates): Keras's V2 fused batch norm (exponential_avg_factor blends
+  the running statistics in the op; assigns store its outputs in the shared moving
+  variables), the train op running one tower's assigns, or none beside an op that does.
 * clones(towers, batch, fused, placement): TF-Slim model_deploy with clone_on_cpu: clone_i
   name scopes, all on /device:CPU:0 ("cpu0") or with no device at all ("none"), shared
   variables, each clone's loss divided by the number of clones, gradients summed, the first
@@ -225,6 +228,50 @@ def clones(towers: int, batch: int, fused: bool, placement: str = "cpu0") -> Tra
         update_op = tf.group(*update_ops, opt.apply_gradients(grads))
         train_tensor = with_dependencies([update_op], total_loss, name="train_op")
         return _finish(graph, [train_tensor], total_loss, inputs)
+
+
+def blended(towers: int, batch: int, updates: str = "last") -> Trainer:
+    """Keras's V2 fused batch norm: FusedBatchNormV3 with exponential_avg_factor blends the
+    running statistics in the op, and plain assigns store its outputs 1 and 2 in the shared
+    moving variables; the train op runs one tower's assigns (UPDATE_CHOICES but "in_place")."""
+    chosen = {"first": 0, "middle": towers // 2, "last": towers - 1, "separate": towers - 1}[updates]
+    graph = tf.Graph()
+    with graph.as_default():
+        opt = tf1.train.GradientDescentOptimizer(0.1)
+        inputs, losses, tower_grads, assigns = [], [], [], []
+
+        def batch_norm(x: tf.Tensor, name: str) -> tf.Tensor:
+            with tf1.variable_scope(name):
+                scale = tf1.get_variable("gamma", [FILTERS], initializer=_constant(f"{name}/gamma", [FILTERS], 1.0, 0.1))
+                offset = tf1.get_variable("beta", [FILTERS], initializer=_constant(f"{name}/beta", [FILTERS], 0.0, 0.1))
+                mean = tf1.get_variable("moving_mean", [FILTERS], initializer=tf1.zeros_initializer(), trainable=False)
+                variance = tf1.get_variable("moving_variance", [FILTERS], initializer=tf1.ones_initializer(),
+                                            trainable=False)
+            y, new_mean, new_variance, *_ = tf1.raw_ops.FusedBatchNormV3(
+                x=x, scale=scale, offset=offset, mean=mean, variance=variance, epsilon=EPSILON,
+                exponential_avg_factor=1 - DECAY, is_training=True)
+            assigns[-1] += [tf1.assign(mean, new_mean), tf1.assign(variance, new_variance)]
+            return y
+
+        with tf1.variable_scope(tf1.get_variable_scope(), use_resource=True):
+            for i in range(towers):
+                with tf.device(f"/cpu:{i}"), tf.name_scope(f"tower_{i}"):
+                    assigns.append([])
+                    images, labels = _placeholders(batch)
+                    loss = _cross_entropy(labels, _logits(images, batch_norm))
+                    tf1.get_variable_scope().reuse_variables()
+                    tower_grads.append(opt.compute_gradients(loss))
+                inputs.append((images, labels))
+                losses.append(loss)
+        with tf.device("/cpu:0"):
+            grads = [(tf.add_n([g for g, _ in pairs]) / towers, pairs[0][1]) for pairs in zip(*tower_grads)]
+            loss = tf.identity(tf.add_n(losses) / towers, name="loss")
+        step = opt.apply_gradients(grads)
+        if updates == "separate":
+            fetches = [tf.group(step, name="train_op"), tf.group(*assigns[chosen], name="updates")]
+        else:
+            fetches = [tf.group(step, *assigns[chosen], name="train_op")]
+        return _finish(graph, fetches, loss, inputs)
 
 
 def run(graph: tf.Graph, trainer: Trainer, batches: list, num_devices: int, find=None) -> tuple[Result, dict]:
