@@ -1,6 +1,6 @@
 """What a rewrite found, changed, removed and skipped, as text for people and a dict for tools.
 
-`to_dict()` follows `SCHEMA_VERSION`; see README.md ("Report schema") for the fields.
+`to_dict()` follows `SCHEMA_VERSION`; see docs/report-schema.md for the fields.
 """
 
 from __future__ import annotations
