@@ -7,6 +7,7 @@ import math
 import numbers
 import signal
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -40,17 +41,21 @@ class RewriteResult:
     graph_def: graph_pb2.GraphDef
     meta_graph_def: meta_graph_pb2.MetaGraphDef | None
     report: Report
+    _built: weakref.WeakSet = field(default_factory=weakref.WeakSet, init=False, repr=False, compare=False)
 
     def to_graph(self) -> Any:
         """A new tf.Graph of the rewritten graph, with the collections, saver and variables of
         the MetaGraphDef when the input had one (a tf.Graph or MetaGraphDef)."""
-        return handles.to_graph(self.graph_def, self.meta_graph_def)
+        graph = handles.to_graph(self.graph_def, self.meta_graph_def)
+        self._built.add(graph)
+        return graph
 
     def find(self, graph: Any, old: Any) -> Any:
         """The counterparts in `graph` (from `to_graph`) of the handles `old` held in the input
         graph: Operations, Tensors, Variables or names, alone or in lists, tuples and dicts.
-        Raises RemovedByRewriteError for a node the rewrite removed."""
-        return handles.find(graph, old, {r["node"]: r["why"] for r in self.report.removed})
+        Raises RemovedByRewriteError for a node the rewrite removed, ForeignGraphError for a
+        graph `to_graph` did not make."""
+        return handles.find(graph, old, {r["node"]: r["why"] for r in self.report.removed}, self._built)
 
 
 @contextmanager
@@ -125,6 +130,13 @@ def rewrite_graph(
     in_place: bool = False,
 ) -> RewriteResult:
     """Synchronize batch norm across the towers of a replicated training graph.
+
+    Every step must run every tower's all-reduces: each synced layer needs all towers' batch
+    statistics. So fetch what every tower feeds (the train op) and feed every tower's inputs:
+    `sess.run([train_op, loss], feed)`, with all towers' placeholders in `feed`. One tower's
+    tensor fetched alone still needs the other towers' inputs (else TensorFlow's "You must feed
+    a value for placeholder tensor 'tower_1/...'", on the local backend); on NCCL it waits
+    forever for the towers not run, on the collective backend until `timeout_seconds`.
 
     graph: a tf.Graph, tf.compat.v1.GraphDef or MetaGraphDef; never modified unless in_place.
     backend: "auto" (NCCL when every tower is on a GPU; else "local" in one process, "collective"

@@ -66,7 +66,7 @@ Run 'bnrewrite COMMAND --help' for a command's options.
 
 CHECK_EPILOG = """\
 examples:
-  # the backend you would get: NCCL on 2 or more GPUs, else collective on 2 virtual CPUs
+  # the backend you would get: NCCL on 2 or more GPUs, else local on 2 virtual CPUs
   bnrewrite check
 
   # the collective backend on 4 virtual CPU towers, as JSON
@@ -626,24 +626,8 @@ def _document(command: str, args: argparse.Namespace, model: Any, rewrite: Any, 
 
 
 def report_text(report: Any, verbose: bool = False) -> str:
-    """str(report), with the ops removed only because they fed a removed update counted, not
-    listed, unless verbose."""
-    text = str(report)
-    if verbose:
-        return text
-    lines, out, hidden, in_removed = text.split("\n"), [], 0, False
-    for line in lines:
-        if line.startswith("removed ") and line.endswith("op(s):"):
-            in_removed = True
-        elif in_removed and not line.startswith("  "):
-            if hidden:
-                out.append(f"  ... and {hidden} op(s) that only fed those (-v lists them)")
-            in_removed, hidden = False, 0
-        elif in_removed and ": only fed " in line:
-            hidden += 1
-            continue
-        out.append(line)
-    return "\n".join(out)
+    """The report's text: every op removed if verbose, else a count after the first few."""
+    return report.text(verbose, more="-v lists them")
 
 
 class _Printer:

@@ -6,11 +6,9 @@ Every all-reduce belongs to a sync group (a set of towers; its `group_key`) and 
 `shared_name` and the collective runtime's keys both identify it.
 
 "local" sums the members' inputs with one AddN on the first member's device, which every
-member reads through an Identity of its own. The graph sees every tower, so it can: on 4
-virtual CPU devices a CollectiveReduceV2 of a few hundred bytes takes 225-256 µs from launch
-to result (its ring passes the data K-1 times each way, a thread hop per pass) where the
-AddN and its copies take 24-34 µs (tools/bench_all_reduce.py). It cannot reach
-into function bodies (control flow v2 branches) or other workers: those need the
+member reads through an Identity of its own: the graph sees every tower, so it need not
+meet them by keys, which costs several times more per all-reduce (docs/performance.md). It
+cannot reach into function bodies (control flow v2 branches) or other workers: those need the
 rendezvous by keys that NCCL and the collective runtime provide.
 """
 

@@ -80,3 +80,7 @@ class PassError(GraphValidationError):
 
 class RemovedByRewriteError(BnRewriteError):
     """A handle names a node the rewrite removed (e.g. a duplicate moving-average update)."""
+
+
+class ForeignGraphError(BnRewriteError):
+    """`RewriteResult.find` was given a graph its `to_graph()` did not build (e.g. the input graph)."""

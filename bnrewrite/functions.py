@@ -24,8 +24,8 @@ from bnrewrite.errors import PassError
 from bnrewrite.graph import Graph, parse_input, tensor_name
 from bnrewrite.match.sites import FUSED_GRAD, Census, Skip
 from bnrewrite.nodes import BODY_MARK, MARK
+from bnrewrite.ops import IF_OPS
 
-IF_OPS = frozenset({"If", "StatelessIf"})
 _FORWARD_OPS = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "Mean"})
 
 

@@ -10,9 +10,10 @@ the new graph's by name: every node the rewrite kept keeps its name.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Any
 
-from bnrewrite.errors import BnRewriteError, RemovedByRewriteError
+from bnrewrite.errors import BnRewriteError, ForeignGraphError, RemovedByRewriteError
 
 
 def to_graph(graph_def: Any, meta_graph_def: Any) -> Any:
@@ -29,11 +30,19 @@ def to_graph(graph_def: Any, meta_graph_def: Any) -> Any:
     return graph
 
 
-def find(graph: Any, handles: Any, removed: dict[str, str]) -> Any:
+def find(graph: Any, handles: Any, removed: dict[str, str], built: Container[Any]) -> Any:
     """`handles` (an Operation, Tensor, Variable or name, or lists, tuples and dicts of them)
     with each replaced by its counterpart in `graph`; `removed`: node -> why the rewrite removed
-    it, for the error a handle to such a node raises."""
+    it, for the error a handle to such a node raises. `graph` must be one of `built` (the graphs
+    the result's `to_graph` made): in any other graph, the input graph above all, every name
+    would resolve to itself and the user would go on training the un-synchronized graph."""
     import tensorflow as tf
+
+    if graph not in built:
+        raise ForeignGraphError(
+            f"find() maps handles into a graph made by this result's to_graph(), not a {type(graph).__name__} "
+            "from elsewhere (the input graph would give the un-synchronized ops back); call graph = result.to_graph() "
+            "and pass that graph")
 
     variables = {v.name: v for key in (tf.compat.v1.GraphKeys.GLOBAL_VARIABLES, tf.compat.v1.GraphKeys.LOCAL_VARIABLES)
                  for v in graph.get_collection(key)}

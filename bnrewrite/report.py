@@ -1,6 +1,6 @@
 """What a rewrite found, changed, removed and skipped, as text for people and a dict for tools.
 
-`to_dict()` follows `SCHEMA_VERSION`; see README.md ("Report schema") for the fields.
+`to_dict()` follows `SCHEMA_VERSION`; see docs/report-schema.md for the fields.
 """
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 SCHEMA_VERSION = 1
+REMOVED_SHOWN = 5  # duplicate updates named in the short text; the rest are counted
+FOLLOWER = ", which was removed"  # ends the why of an op removed for feeding or reading after a removed one
 
 
 @dataclass
@@ -59,6 +61,12 @@ class Report:
         return data
 
     def __str__(self) -> str:
+        return self.text()
+
+    def text(self, verbose: bool = False, more: str = "report.text(verbose=True) lists them all") -> str:
+        """The report for people. Unless `verbose`, the ops removed are counted with the first few
+        duplicate updates named (a K-tower graph removes dozens); `more` says where the rest are.
+        `to_dict()` always holds every list in full."""
         if self.already_rewritten:
             return "already rewritten by bnrewrite: nothing changed\n" + "".join(f"  {n}\n" for n in self.notes)
         lines = [
@@ -82,9 +90,24 @@ class Report:
         if self.removed:
             lines.append("")
             lines.append(f"removed {len(self.removed)} op(s):")
-            lines.extend(f"  {r['node']}: {r['why']}" for r in self.removed)
+            lines.extend(self._removed_lines(verbose, more))
         lines.extend(self.closing_lines())
         return "\n".join(lines) + "\n"
+
+    def _removed_lines(self, verbose: bool, more: str) -> list[str]:
+        """Every op removed when verbose; else the first REMOVED_SHOWN duplicate updates and a
+        count of the rest (the other duplicates, and the ops removed with them)."""
+        if verbose:
+            return [f"  {r['node']}: {r['why']}" for r in self.removed]
+        updates = [r for r in self.removed if not r["why"].endswith(FOLLOWER)]
+        shown = updates[:REMOVED_SHOWN]
+        lines = [f"  {r['node']}: {r['why']}" for r in shown]
+        rest_updates, fed = len(updates) - len(shown), len(self.removed) - len(updates)
+        if rest_updates or fed:
+            parts = [f"{rest_updates} more duplicate update(s)"] if rest_updates else []
+            parts += [f"{fed} op(s) that only fed or read after those"] if fed else []
+            lines.append(f"  ... and {' and '.join(parts)} ({more})")
+        return lines
 
     def closing_lines(self) -> list[str]:
         """The sites skipped (with why), the notes and the totals: the end of the text report,

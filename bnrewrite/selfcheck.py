@@ -75,8 +75,8 @@ class CheckReport:
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         lines += [f"  {c.case}: {c.message}" for c in self.cases if c.message]
-        lines.append("  (step times are those of a tiny model, mostly per-op overhead: tools/gpu_step.py and "
-                     "tools/bench_step.py measure what synchronization costs a real one)")
+        lines.append("  (step times are those of a tiny model, mostly per-op overhead, not what synchronization costs "
+                     "a real model: time your own training step before and after the rewrite)")
         lines.append("")
         lines.append(f"{'PASS' if self.passed else 'FAIL'}: rewritten graph within {TOLERANCE:g} of one device "
                      f"fed the whole batch, un-rewritten graph more than {UNSYNCED_MIN:g} away, in "

@@ -22,3 +22,46 @@ def _silence_tf_python_logs():
 
 
 _silence_tf_python_logs()
+
+
+# ---------------------------------------------------------------------------
+# The fast subset: python -m pytest -n 2 -m "not slow" tests
+# ---------------------------------------------------------------------------
+
+import pytest  # noqa: E402
+
+#: Whole modules left out of the fast subset: subprocesses (the CLI, `check`, several workers),
+#: and the oracle's long sweeps over layers, trainers, towers and backends.
+SLOW_MODULES = frozenset({
+    "test_bench_variants.py", "test_cli.py", "test_harness.py", "test_mirrored.py", "test_multi_worker.py",
+    "test_nccl_on_cpu.py", "test_replicated.py", "test_residual.py", "test_selfcheck.py", "test_tower_shapes.py",
+    "test_trainers.py", "test_unfused_and_cond.py",
+})
+#: Single tests (module::name prefix) left out of it: subprocesses, rendering, kernel sweeps.
+SLOW_TESTS = (
+    "test_fuzz.py::test_cli_",
+    "test_fuzz.py::test_api_mutated_graphs[small_nhwc-350]",
+    "test_fuzz.py::test_api_mutated_meta_graphs",
+    "test_scaling.py::",
+    "test_visualize.py::test_svg_without_system_dot",
+    "test_visualize.py::test_png_without_system_dot",
+    "test_kernels.py::test_kernel_path_trains_like_one_device",
+    "test_newcomer.py::test_check_help",
+    "test_oracle.py::",
+)
+#: ... except these oracle cases, which keep one fused and one legacy layer in the fast subset.
+FAST_ORACLE = frozenset({
+    "test_oracle.py::test_rewritten_towers_train_like_one_device[K2-legacy-NHWC-float32-local]",
+    "test_oracle.py::test_rewritten_towers_train_like_one_device[K4-fused_op-NCHW-float32-collective]",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the slow tests (registered in setup.cfg), so `-m "not slow"` runs the rest."""
+    for item in items:
+        name = item.nodeid.rsplit("/", 1)[-1]
+        module = name.split("::", 1)[0]
+        if name in FAST_ORACLE:
+            continue
+        if module in SLOW_MODULES or name.startswith(SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)

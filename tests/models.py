@@ -22,6 +22,7 @@ helpers.
     build_hand_synced(spec, all_tower_updates=False) -> Built   (test-only)
     assert_synced(label, synced, unsynced, expected, tolerance) -> float   (test-only)
     use_kernels(monkeypatch); kernel_gradients(graph_def), kernel_moments(graph_def) -> [names]   (test-only)
+    one_device_run(spec, steps), unrewritten_run(spec, steps) -> Result   (test-only, once per process)
 
 Typical oracle test::
 
@@ -40,6 +41,7 @@ moving-average updates kept ~0.7-1.2; synced stats with a per-tower instead
 of global Bessel count ~3e-3 (moving_variance).
 """
 
+import functools
 import importlib
 import os
 import sys
@@ -84,8 +86,24 @@ from towers_model import (  # noqa: E402,F401
 __all__ = [
     "Spec", "Built", "Result", "build_towers", "build_reference", "make_batches",
     "train", "max_rel_error", "rel_errors", "load_graph", "build_hand_synced",
-    "LAYERS", "DATA_FORMATS", "DTYPES", "DEVICES", "assert_synced",
+    "LAYERS", "DATA_FORMATS", "DTYPES", "DEVICES", "assert_synced", "one_device_run", "unrewritten_run",
 ]
+
+
+@functools.lru_cache(maxsize=None)
+def one_device_run(spec: Spec, steps: int) -> Result:
+    """The one-device reference trained on make_batches(spec, steps): the same for every backend
+    and option a test rewrites with, so trained once per test process (treat it as read-only)."""
+    reference = build_reference(spec)
+    return train(reference.graph, reference, make_batches(spec, steps), num_devices=1)
+
+
+@functools.lru_cache(maxsize=None)
+def unrewritten_run(spec: Spec, steps: int) -> Result:
+    """The K-tower graph as built, not rewritten, trained on make_batches(spec, steps): the
+    oracle's must-not-match side, trained once per test process (treat it as read-only)."""
+    built = build_towers(spec)
+    return train(built.graph, built, make_batches(spec, steps), num_devices=spec.towers)
 
 
 def assert_synced(label: str, synced: Result, unsynced: Result, expected: Result, tolerance: float) -> float:

@@ -7,7 +7,7 @@ comparison is able to fail.
 import pytest
 
 from bnrewrite import rewrite_graph
-from models import Spec, build_reference, build_towers, make_batches, max_rel_error, rel_errors, train
+from models import Spec, build_towers, make_batches, max_rel_error, one_device_run, rel_errors, train, unrewritten_run
 
 STEPS = 3
 #: Float32 graphs that are mathematically equal differ by ~1e-6; half precision rounds BN's
@@ -38,11 +38,9 @@ def run_oracle(spec: Spec, **options) -> tuple[float, float, dict]:
     """(synced error, unsynced error, per-quantity synced errors) against the reference."""
     built = build_towers(spec)
     result = rewrite_graph(built.graph, **options)
-    data = make_batches(spec, STEPS)
-    ref = build_reference(spec)
-    expected = train(ref.graph, ref, data, num_devices=1)
-    synced = train(result.graph_def, built, data, num_devices=spec.towers)
-    unsynced = train(built.graph, built, data, num_devices=spec.towers)
+    expected = one_device_run(spec, STEPS)  # the reference and the un-rewritten graph do not depend
+    unsynced = unrewritten_run(spec, STEPS)  # on the options: trained once for every backend
+    synced = train(result.graph_def, built, make_batches(spec, STEPS), num_devices=spec.towers)
     return max_rel_error(synced, expected), max_rel_error(unsynced, expected), rel_errors(synced, expected)
 
 

@@ -16,6 +16,7 @@ tensor (losses, weights, moving statistics) and the un-rewritten graph must not 
 NaN counts as not matching).
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -27,7 +28,8 @@ import pytest
 import tensorflow as tf
 
 from bnrewrite import rewrite_graph
-from models import Result, Spec, build_reference, build_towers, make_batches, max_rel_error, rel_errors, train
+from models import (Result, Spec, build_reference, build_towers, make_batches, max_rel_error, one_device_run, rel_errors,
+                    train, unrewritten_run)
 
 STEPS = 3
 TOLERANCE = 2e-4  # float32; measured ~1e-6 (see the report printed by each test)
@@ -210,6 +212,15 @@ def test_nan_counts_as_mismatch():
 # ---------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
+def _two_devices(spec: Spec, tower0_updates_only: bool) -> Result:
+    """The K=4 group_size=2 spec's 2-device graph (2*B examples each) trained on its batches:
+    the same for every backend, so trained once per test process (read-only)."""
+    two = build_towers(Spec(towers=2, batch=2 * spec.batch, layer=spec.layer,
+                            updates_tower=0 if tower0_updates_only else None))
+    return train(two.graph, two, make_batches(spec, STEPS), num_devices=2)
+
+
 @pytest.mark.parametrize("layer, backend", [
     ("legacy", "collective"), ("fused_op", "collective"), ("legacy_cond_v1", "collective"), ("legacy_cond_v2", "collective"),
     ("legacy", "local"), ("legacy_cond_v1", "local"),
@@ -230,10 +241,9 @@ def test_sync_groups_train_like_devices_with_the_group_batch(layer, backend):
     built = build_towers(spec)
     result = rewrite_graph(built.graph, backend=backend, group_size=2)
     data = make_batches(spec, STEPS)
-    ref = build_towers(Spec(towers=2, batch=2 * b, layer=layer, updates_tower=0))
-    expected = train(ref.graph, ref, data, num_devices=2)
+    expected, plain = _two_devices(spec, True), _two_devices(spec, False)
     synced = train(result.graph_def, built, data, num_devices=4)
-    unsynced = train(built.graph, built, data, num_devices=4)
+    unsynced = unrewritten_run(spec, STEPS)
     got, without = max_rel_error(synced, expected), max_rel_error(unsynced, expected)
     print(f"groups-{layer} {backend}: synced {got:.2e}, unsynced {without:.2e}")
     assert without > UNSYNCED_AT_LEAST, "the un-rewritten graph matched: this oracle cannot fail"
@@ -243,15 +253,13 @@ def test_sync_groups_train_like_devices_with_the_group_batch(layer, backend):
 
     # Against the plain 2-device graph (both devices' updates): the same losses and weights,
     # other moving statistics; which is why the reference keeps device 0's updates only.
-    plain = build_towers(Spec(towers=2, batch=2 * b, layer=layer))
-    versus_plain = rel_errors(synced, train(plain.graph, plain, data, num_devices=2))
+    versus_plain = rel_errors(synced, plain)
     moving = {q: e for q, e in versus_plain.items() if "moving_" in q}
     assert max(e for q, e in versus_plain.items() if q not in moving) <= TOLERANCE, versus_plain
     assert max(moving.values()) > UNSYNCED_AT_LEAST, moving
 
     # The groups really are separate: synchronizing all four towers is another model.
-    one = build_reference(spec)
-    assert max_rel_error(synced, train(one.graph, one, data, num_devices=1)) > UNSYNCED_AT_LEAST
+    assert max_rel_error(synced, one_device_run(spec, STEPS)) > UNSYNCED_AT_LEAST
 
     report = result.report
     groups = [["/device:CPU:0", "/device:CPU:1"], ["/device:CPU:2", "/device:CPU:3"]]

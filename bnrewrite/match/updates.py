@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from bnrewrite.functions import IF_OPS
 from bnrewrite.graph import Graph
 from bnrewrite.match.sites import Update, resolve_variable
+from bnrewrite.ops import IF_OPS
 
 ASSIGN_OPS = frozenset({
     "AssignSubVariableOp", "AssignVariableOp", "AssignAddVariableOp", "AssignSub", "Assign", "AssignAdd",

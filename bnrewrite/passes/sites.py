@@ -77,15 +77,12 @@ def deviations(graph: Graph, site: Site) -> tuple[str, str] | None:
 
 #: float32 activations of at least this many elements per tower take fused batch-norm kernels
 #: instead of elementwise passes for the local moments and dx; those known to be smaller are
-#: normalized by passes too (tools/bench_kernels.py; see sync_forward and sync_backward for the
-#: figures).
+#: normalized by passes too (where the crossover lies: docs/performance.md, "Kernels or passes").
 KERNEL_MIN_ELEMENTS = 1 << 17
-#: ... if of these types. float16 takes them at any size: its passes hold float32 copies of the
-#: activation and its gradient across the all-reduce (the step's peak memory 1.29x the
-#: un-synced graph's at the default benchmark size on one machine, 1.27x at the large size on
-#: another; with the kernels 0.90x and 1.00x), and they cost no more time there. Not bfloat16:
-#: the backward's kernels round its two terms of dx to 8 bits apart (3.7e-2 against the 2e-2 its
-#: oracle allows); float16 keeps 11 bits (6.4e-4 against 2e-3).
+#: ... if of these types. float16 takes them at any size: its passes would hold float32 copies
+#: of the activation and its gradient across the all-reduce, raising the step's peak memory,
+#: and cost no less time. Not bfloat16: the backward's kernels round its two terms of dx to 8
+#: bits apart, beyond what its oracle allows; float16 keeps 11 bits.
 KERNEL_DTYPES = frozenset({DT_FLOAT, DT_HALF})
 
 
@@ -105,7 +102,7 @@ def kernel_sized(graph: Graph, site: Site, activation: str) -> bool:
 def passes_sized(graph: Graph, site: Site, activation: str) -> bool:
     """Whether a fused float32 site's activation is known to be below KERNEL_MIN_ELEMENTS per
     tower on a channels-last CPU tower: small enough for elementwise passes to normalize it too
-    (see sync_forward). Unknown sizes keep the kernel: passes cost 1.5-1.7 x as much at 512 K."""
+    (see sync_forward). Unknown sizes keep the kernel, which costs less than passes on large activations."""
     elements = graph.static_elements(activation)
     return site.dtype == DT_FLOAT and _kernel_kind(site) and elements is not None and elements < KERNEL_MIN_ELEMENTS
 

@@ -2,39 +2,16 @@
 
 With x_hat = (x - mean) * rstd over the global batch of N examples,
     dx = scale * rstd * (dy - sum(dy)/N - x_hat * sum(dy * x_hat)/N),
-where both sums run over every tower. Each tower sums dy and dy*(x - mean) locally, one
-all-reduce adds them up, and the rest is elementwise. N comes from the forward pass through
-reserve_space_3 (FusedBatchNormV3); for the older ops the all-reduce carries the counts too.
-Where sync_forward normalized by passes, x - mean is the deviations from the tower's own mean
-it left on the forward op minus the shift beside them (bnrewrite.passes.sites.deviations):
-sum(dy*(x - mean)) = sum(dy*deviations) - shift*sum(dy), and x is not read again.
-d(scale) and d(offset) stay tower-local: the graph already averages them across towers, and
-since every tower's dy is K times its share of the averaged loss, that average is exact;
-they wait for dx (control edges), as inside the fused kernel, so that an optimizer's update of
-a reference variable's scale cannot overwrite it before dx has read it.
-A FusedBatchNormGrad alone cannot do this: it treats the batch statistics as its own.
+where both sums run over every tower: each tower sums dy and dy*(x - mean) locally, one
+all-reduce adds them, the rest is elementwise (six passes, or two fused inference-mode kernels
+where sync_forward took kernels; see bnrewrite.passes.sites). N comes from the forward through
+reserve_space_3 (for FusedBatchNorm/V2 the all-reduce carries the counts). Where sync_forward
+normalized by passes, x - mean is its deviations minus the shift, and x is not read again.
+d(scale) and d(offset) stay tower-local (the graph's own averaging makes them exact) and wait
+for dx through control edges, as inside the fused kernel: an optimizer's update of a
+reference variable's scale must not overwrite it before dx has read it.
 The gradient op is replaced by an IdentityN of the same name, so its consumers are unchanged.
-
-On a CPU tower with channels-last data in float16, or in float32 known to be large (at least
-KERNEL_MIN_ELEMENTS elements per tower by its static shape: see
-bnrewrite.passes.sites), the same dx comes from two fused kernels instead of six elementwise
-passes: an inference-mode FusedBatchNormGradV3 fed the global moments gives scale*rstd*dy and
-both local sums in one pass over dy and x, and after the all-reduce an inference-mode
-FusedBatchNormV3 of x gives the rest, -scale*rstd*(x_hat * sum(dy*x_hat) + sum(dy))/N,
-which one AddV2 adds. On 4 virtual CPUs the kernels take 1.4-2.4x as long as the passes at
-64 K elements (the passes then run in cache) and 6-55 % less from 128 K up, depending on the
-run (tools/bench_kernels.py). The inference-mode gradient kernel takes channels-last data
-only. In float16 the kernels keep the step's peak memory at the un-synced graph's (the
-passes hold float32 copies of dy and x - mean across the all-reduce: 1.27x at the large
-benchmark size, 1.29x at the default one on another machine), at a price in rounding: the
-two terms of dx are rounded to float16 before they are added, and the float16 oracle's error
-goes from 1.3e-4 / 2.2e-4 to 6.4e-4 / 6.1e-4 (K=2 / K=4), within its 2e-3. A training-mode local kernel fed the global moments would take
-the tower's own means off first and keep the correction small (3.6e-4 / 3.4e-4), but in
-float16 it takes twice as long as the inference mode on CPU (629 against 293 us per layer and
-tower at 1 M elements, tools/bench_kernels.py), and the un-synced graph's own gradient is that
-training-mode kernel: with it, a synced float16 step cost what the floor costs plus 17 ms at
-the large benchmark size (model code: plus 35 ms); with the inference mode, the floor's cost
-(tools/bench_step.py). bfloat16's 8 bits (3.7e-2) keep the passes.
+Why each path, with figures and float16 rounding: docs/performance.md ("Kernels or passes").
 """
 
 from __future__ import annotations

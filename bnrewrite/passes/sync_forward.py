@@ -1,48 +1,19 @@
 """Forward: every copy of a layer normalizes with the statistics of the global batch.
 
-The global moments come from `bnrewrite.statistics.global_moments` (one float64 all-reduce,
-Chan's combine) of each tower's local moments. Those come from elementwise passes (a sum, then
-the deviations from the local mean, squared and summed) or, on a CPU tower with channels-last
-data in float16, or in float32 known to be large (at least KERNEL_MIN_ELEMENTS elements per
-tower by its static shape: see bnrewrite.passes.sites), from a training-mode
-FusedBatchNormV3 of x: its batch mean and Bessel-corrected variance, computed around the local
-mean as the passes do, whose y goes unused. The kernel reads x about as often as the passes
-and writes one tensor, as SquaredDifference does; on 4 virtual CPUs it takes 0.61-0.86 of the
-passes' time at 512 K-1 M elements, 0.91-0.97 at 128 K, 0.83-1.27 at 64 K and 1.1-1.7 times
-as long at 16-32 K, depending on the run (tools/bench_kernels.py). In training steps it paid at 1 M (the step 1.039
-vs 1.068 x unsynced) but not at 64 K (op time +2.2 ms per step), hence the same threshold as
-the backward.
-
-The training op stays, under its name, in inference mode: fed the global mean, the
-Bessel-corrected global variance and a scale times sqrt(that + eps) / sqrt(biased variance +
-eps), it normalizes x by the biased variance as the training op does, and its outputs 1 and 2
-(should a user fetch them) are the global batch mean and Bessel-corrected variance the
-training op would give. What the graph reads of outputs 1-5 moves to an IdentityN beside it,
-`<op>/statistics`: the global batch mean and Bessel-corrected variance (blended with the
-running inputs when exponential_avg_factor is not 1, as the op does), then reserve spaces
-carrying the global mean, 1/sqrt(var+eps) and (FusedBatchNormV3) the global count N, which
-`sync_backward` reads. Output 0 then keeps only its own consumers, so Grappler still fuses a
-following ReLU into the op on CPU, as it did the training op: one pass less over the
-activation (at the large benchmark size the ReLUs' 9-10 ms of op time per step go; the step,
-A/B in one process, took 0.986-1.000 of its time with the ReLUs apart).
-Where exponential_avg_factor is not 1 (outputs 1 and 2 are then blends, which an
-inference-mode op cannot pass on) and inside function bodies (whose return values name the
-op's outputs), the op is replaced by an IdentityN of the same name instead, with y from an
-inference-mode op beside it and outputs 1-5 as above.
-Float32 channels-last activations on CPU towers that the static shape shows to be
-below KERNEL_MIN_ELEMENTS per tower get the IdentityN too, with y from elementwise passes and
-the ReLU after it left an op of its own: oneDNN's batch-norm kernel costs a near-fixed ~40 us a
-call. y comes from the deviations of x from the tower's own mean that the local moments
-squared: deviations * gain + (offset - shift * gain), with shift the global mean minus the
-local one, two passes where (x - mean) * gain + offset takes three; at 64 K elements per tower
-they and the ReLU take 0.51 of the inference-mode kernel's time with its ReLU fused, at 128 K
-0.85 (tools/bench_kernels.py, 4 virtual CPUs, one run). Above the threshold the local moments
-come from the kernel, which leaves no deviations to start from. The IdentityN passes the
-deviations and the shift on as two more outputs (DEVIATIONS_ATTR names the first), and
-sync_backward takes its gradient from them instead of reading x again: x's deviations from the
-global mean are deviations - shift. One pass less per layer forward; the step 1.073 vs 1.101 x
-un-synced in one A/B run (tools/bench_step.py).
+Each tower's local moments (elementwise passes, or for large channels-last CPU activations and
+float16 a training-mode FusedBatchNormV3 whose y goes unused; see bnrewrite.passes.sites for
+the choice) are combined by `bnrewrite.statistics.global_moments` in one float64 all-reduce.
+A fused op stays, under its name, in inference mode fed the global moments, so Grappler still
+fuses a following ReLU into it; what the graph read of outputs 1-5 (moving averages, the
+gradient's reserve spaces) comes from an IdentityN `<op>/statistics` beside it, and reserve
+space 3 carries the global count N to sync_backward. With exponential_avg_factor != 1, inside
+function bodies, and for small float32 activations (normalized by two passes from the local
+deviations, which the IdentityN passes on for sync_backward), the op itself becomes an
+IdentityN of its name. Invariant: every consumer of the original op reads, under the same
+tensor name, what the training op would give for the global batch.
+Why each path, with figures: docs/performance.md ("Kernels or passes").
 """
+
 
 from __future__ import annotations
 
