@@ -1,0 +1,257 @@
+"""The argument parser: commands, options, argument types, --help epilogs and the exit-code
+table (EXIT_CODES). A usage error is one line on stderr and exit code 2. Each command's
+subparser points at its cmd_* function in the module of that name.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from bnrewrite import __version__, errors, selfcheck
+from bnrewrite.cli.convert import cmd_convert
+from bnrewrite.cli.diff import cmd_diff
+from bnrewrite.cli.inspect import cmd_inspect
+from bnrewrite.cli.output import PROG, print_error
+
+#: Unexpected internal errors (a bug): EX_SOFTWARE from sysexits.h.
+INTERNAL_ERROR = 70
+INTERRUPTED = 130
+USAGE = 2
+#: Exit code -> what it means, for --help and the README.
+EXIT_CODES: list[tuple[int, str, str]] = [
+    (0, "", "success (convert wrote OUT, or --dry-run/inspect/diff found no problem)"),
+    (1, "BnRewriteError", "other bnrewrite error (e.g. an option that does not fit the graph: --group-size, --tags on a graph file)"),
+    (USAGE, "", "usage error: unknown command or option, missing argument, --workers N without --task-index"),
+    *((cls.exit_code, cls.__name__, (cls.__doc__ or "").strip().splitlines()[0]) for cls in (
+        errors.InputFormatError, errors.NoBatchNormError, errors.InferenceOnlyError, errors.NoTowersError,
+        errors.TowerMismatchError, errors.AlreadyRewrittenError, errors.BackendError, errors.OutputError,
+        errors.GraphValidationError, errors.PassError,
+    )),
+    (INTERNAL_ERROR, "", "unexpected internal error (a bnrewrite bug: please report it)"),
+    (INTERRUPTED, "", "interrupted (Ctrl-C; 129 for SIGHUP, 143 for SIGTERM); nothing was written, or, if the message says so, every output was"),
+]
+
+MAIN_EPILOG = """\
+commands:
+  convert IN OUT   rewrite IN so batch norm is synchronized across its towers; write OUT
+  inspect IN       show the towers, every batch-norm site and what convert would do
+  diff A B         compare two models: op counts and per-layer changes
+
+IN can be a GraphDef (.pb binary, .pbtxt text), a MetaGraphDef (.meta, from
+tf.compat.v1.train.Saver / export_meta_graph) or a SavedModel directory; the format is
+told from the content, and OUT is written in the same format unless --format says otherwise.
+
+examples:
+  bnrewrite inspect model.meta
+  bnrewrite convert model.meta synced.meta --report report.json
+  bnrewrite convert saved_model/ synced_model/ --tags train --verify
+  bnrewrite diff model.pb synced.pb
+
+exit codes:
+{codes}
+
+Run 'bnrewrite COMMAND --help' for a command's options.
+"""
+
+CHECK_EPILOG = """\
+examples:
+  # the backend you would get: NCCL on 2 or more GPUs, else local on 2 virtual CPUs
+  bnrewrite check
+
+  # the collective backend on 4 virtual CPU towers, as JSON
+  bnrewrite check --backend collective --towers 4 --json
+
+Each case (fused and unfused batch norm, NHWC and NCHW) trains a small conv+BN model on K
+towers rewritten by bnrewrite, the same graph un-rewritten, and one device fed the whole
+batch; it passes when the rewritten graph matches one device and the un-rewritten one does
+not. Exit code 0 only when every case passes, 1 when one fails.
+"""
+
+CONVERT_EPILOG = """\
+examples:
+  # GraphDef in, GraphDef out (binary .pb or text .pbtxt, kept as it was)
+  bnrewrite convert towers.pb synced.pb
+
+  # a Saver's .meta: collections stay consistent, the original checkpoint still restores
+  bnrewrite convert model.meta synced.meta --report report.json
+
+  # a SavedModel: rewrite the [train] MetaGraph, copy variables/ and assets/, check it imports
+  bnrewrite convert saved_model/ synced_model/ --tags train --verify
+
+  # what would change, without writing anything; a picture of one layer; TensorBoard graphs
+  bnrewrite convert towers.pb synced.pb --dry-run --dot layer.dot --tensorboard logs/
+
+  # between-graph replication: this graph is worker 1 of 4
+  bnrewrite convert worker.pb synced.pb --backend collective --workers 4 --task-index 1
+
+Nothing is written unless every step succeeds: outputs are staged beside their targets and
+moved into place together at the end (or, on any failure or interrupt, none of them). OUT,
+--report, --dot and --tensorboard must not exist unless --force is given, and --force
+replaces only what bnrewrite writes there (a file, a SavedModel, its own TensorBoard runs);
+OUT may never be IN. convert never runs the graph; --verify only imports the result.
+"""
+
+INSPECT_EPILOG = """\
+examples:
+  bnrewrite inspect towers.pb
+  bnrewrite inspect saved_model/ --tags train
+  bnrewrite inspect model.meta --json > plan.json
+
+inspect runs the rewrite in memory and prints what convert would do; it writes nothing.
+Its exit code is the one convert would return (0 when convert would succeed).
+"""
+
+DIFF_EPILOG = """\
+examples:
+  bnrewrite diff towers.pb synced.pb
+  bnrewrite diff saved_model/ synced_model/ --tags train
+  bnrewrite diff model.meta synced.meta --json
+
+diff compares op-type counts and lists, per batch-norm layer, the nodes bnrewrite added
+(marked with its `_bnrewrite` attribute), replaced (same name, now marked) and removed.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (exit code 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print_error(f"{message} (see '{self.prog} --help')")
+        raise SystemExit(USAGE)
+
+
+def _exit_code_table() -> str:
+    return "\n".join(f"  {code:>3}  {name + ': ' if name else ''}{what}" for code, name, what in EXIT_CODES)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(
+        prog=PROG,
+        description="Synchronized batch norm for replicated multi-tower TensorFlow 1 graphs, as a graph rewrite.",
+        epilog=MAIN_EPILOG.format(codes=_exit_code_table()),
+        formatter_class=fmt,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    convert = sub.add_parser(
+        "convert", help="rewrite IN and write OUT", epilog=CONVERT_EPILOG, formatter_class=fmt,
+        description="Rewrite IN so that batch norm is synchronized across its towers, and write OUT.",
+    )
+    convert.add_argument("input", metavar="IN", help="GraphDef (.pb/.pbtxt), MetaGraphDef (.meta) or SavedModel directory")
+    convert.add_argument("output", metavar="OUT", help="where to write the rewritten model (must not exist unless --force)")
+    _rewrite_options(convert)
+    out = convert.add_argument_group("output")
+    out.add_argument("--format", choices=["pb", "pbtxt", "meta", "metatxt", "savedmodel"],
+                     help="OUT's format (default: IN's); pb/pbtxt = GraphDef, meta/metatxt = MetaGraphDef")
+    out.add_argument("--force", action="store_true",
+                     help="replace OUT, --report, --dot, --tensorboard if they exist and hold what bnrewrite writes there")
+    out.add_argument("--dry-run", action="store_true", help="do everything but write OUT (--report, --dot, --tensorboard are still written)")
+    out.add_argument("--verify", action="store_true", help="import the result into TensorFlow (never run it) and fail if it does not import")
+    out.add_argument("--report", metavar="FILE.json", help="write the report as JSON (schema: README.md, 'Report schema')")
+    out.add_argument("--dot", metavar="FILE", help="write a picture of one rewritten layer before/after: .dot/.gv (Graphviz text), "
+                     ".svg/.png (rendered by Graphviz's dot, else by the graphviz-pure dependency)")
+    out.add_argument("--dot-layer", metavar="LAYER", help="the layer --dot draws (default: the first one)")
+    out.add_argument("--tensorboard", metavar="LOGDIR", help="write the graphs before and after as TensorBoard runs LOGDIR/before and LOGDIR/after "
+                     "(a new directory, or with --force one bnrewrite wrote)")
+    _verbosity(convert)
+    convert.set_defaults(func=cmd_convert)
+
+    inspect = sub.add_parser(
+        "inspect", help="show what convert would do", epilog=INSPECT_EPILOG, formatter_class=fmt,
+        description="Show the towers found, every batch-norm site per tower, and what convert would do and why. Writes nothing.",
+    )
+    inspect.add_argument("input", metavar="IN", help="GraphDef (.pb/.pbtxt), MetaGraphDef (.meta) or SavedModel directory")
+    _rewrite_options(inspect)
+    inspect.add_argument("--json", action="store_true", help="print the JSON report instead of text")
+    _verbosity(inspect)
+    inspect.set_defaults(func=cmd_inspect)
+
+    diff = sub.add_parser(
+        "diff", help="compare two models", epilog=DIFF_EPILOG, formatter_class=fmt,
+        description="Compare two models: op-type counts and per-layer nodes added, replaced and removed.",
+    )
+    diff.add_argument("a", metavar="A", help="the first model (e.g. the original)")
+    diff.add_argument("b", metavar="B", help="the second model (e.g. the rewritten one)")
+    diff.add_argument("--tags", action="append", metavar="T1,T2", help="SavedModels: compare only this tag set (repeatable)")
+    diff.add_argument("--json", action="store_true", help="print the differences as JSON")
+    _verbosity(diff)
+    diff.set_defaults(func=cmd_diff)
+
+    check = sub.add_parser(
+        "check", help="check on this machine that synced training matches one device", epilog=CHECK_EPILOG,
+        formatter_class=fmt,
+        description="Train small multi-tower graphs rewritten by bnrewrite here and compare with one device.",
+    )
+    selfcheck.add_arguments(check)
+    _verbosity(check)
+    check.set_defaults(func=selfcheck.run)
+    return parser
+
+
+def _rewrite_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("rewrite")
+    group.add_argument("--backend", choices=["auto", "nccl", "local", "collective"], default="auto",
+                       help="all-reduce: NcclAllReduce (GPU towers), local (one AddN, towers of one process) or "
+                            "CollectiveReduceV2; auto picks NCCL when every tower is a GPU, else local unless "
+                            "several workers or batch norms inside control flow v2 need collective")
+    group.add_argument("--tower-by", choices=["auto", "device", "scope"], default="auto",
+                       help="tell towers apart by device or by top-level name scope (default: device when sites span several)")
+    group.add_argument("--group-size", type=_positive_int, metavar="G",
+                       help="synchronize towers in consecutive groups of G (default: all towers together)")
+    group.add_argument("--timeout", type=_non_negative_float, default=0.0, metavar="SECONDS",
+                       help="collective all-reduce timeout, so a missing peer fails instead of hanging (0: none)")
+    group.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+                       help="between-graph replication: N identical workers (collective backend)")
+    group.add_argument("--task-index", type=_non_negative_int, metavar="I",
+                       help="this worker's index, 0..N-1 (required with --workers N > 1)")
+    group.add_argument("--tags", action="append", metavar="T1,T2",
+                       help="SavedModels: rewrite only the MetaGraph with exactly these tags (repeatable; default: all)")
+
+
+def _verbosity(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    group.add_argument("-v", "--verbose", action="store_true",
+                       help="more detail (passes, timings), TensorFlow's own logging, tracebacks of internal errors")
+
+
+def _positive_int(text: str) -> int:
+    value = _non_negative_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative number of seconds")
+    return value
+
+
+def replication_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with --workers/--task-index together: a worker must say which one it is."""
+    workers, index = getattr(args, "workers", 1), getattr(args, "task_index", None)
+    if workers > 1 and index is None:
+        return f"--workers {workers} needs --task-index I, this worker's index (0..{workers - 1})"
+    if index is not None and index >= workers:
+        if workers == 1:
+            return f"--task-index {index} needs --workers N, the number of workers (more than {index})"
+        return f"--task-index {index} is not one of the {workers} workers (0..{workers - 1})"
+    return None
