@@ -1,9 +1,12 @@
-"""The command line end to end, through `python -m bnrewrite` in a subprocess: every format,
-every command, and every kind of bad input (one error line, its exit code, no traceback,
-nothing written, input untouched). Runs that do not depend on each other go in parallel."""
+"""The command line end to end: every format, every command, and every kind of bad input (one
+error line, its exit code, no traceback, nothing written, input untouched). Runs go through the
+command line's main() in this process, its output and exit code captured as a subprocess's
+would be (a TensorFlow import per run would cost more than the runs); `--help`, usage errors
+and the README's examples run as `python -m bnrewrite` in a subprocess."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -11,30 +14,40 @@ import shlex
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from io import StringIO
 
 import pytest
 from model_files import cached_models, tree_digest
 
 from bnrewrite import io
-from bnrewrite.cli import EXIT_CODES
+from bnrewrite.cli import EXIT_CODES, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-WORKERS = max(2, min(3, os.cpu_count() or 2))
 
 
-def bnrewrite(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
+def in_subprocess(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m bnrewrite ARGS` in a process of its own."""
     return subprocess.run([sys.executable, "-m", "bnrewrite", *args], capture_output=True, text=True,
                           env=ENV, cwd=cwd, timeout=300)
 
 
+def bnrewrite(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
+    """`bnrewrite ARGS` run by the command line's main() in this process, in `cwd`: its exit
+    code, stdout and stderr as a subprocess would give them."""
+    out, err = StringIO(), StringIO()
+    with contextlib.chdir(cwd or os.getcwd()), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse: --help, usage errors
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    return subprocess.CompletedProcess(["bnrewrite", *args], code, out.getvalue(), err.getvalue())
+
+
 def run_all(jobs: dict) -> dict:
-    """{key: (args, cwd)} -> {key: CompletedProcess}, several at a time."""
-    with ThreadPoolExecutor(WORKERS) as pool:
-        futures = {key: pool.submit(bnrewrite, *args, cwd=cwd) for key, (args, cwd) in jobs.items()}
-        return {key: future.result() for key, future in futures.items()}
+    """{key: (args, cwd)} -> {key: CompletedProcess}."""
+    return {key: bnrewrite(*args, cwd=cwd) for key, (args, cwd) in jobs.items()}
 
 
 def assert_one_error_line(proc: subprocess.CompletedProcess, code: int, message: str = "") -> str:
@@ -60,7 +73,7 @@ def files():
 
 @pytest.mark.parametrize("command", [[], ["convert"], ["inspect"], ["diff"]])
 def test_help_has_examples(command):
-    proc = bnrewrite(*command, "--help")
+    proc = in_subprocess(*command, "--help")
     assert proc.returncode == 0 and not proc.stderr
     assert "examples:" in proc.stdout
     if not command:
@@ -70,7 +83,7 @@ def test_help_has_examples(command):
 
 def test_usage_errors_are_one_line():
     for args in (["convert"], ["frobnicate"], ["convert", "a.pb", "b.pb", "--backend", "tpu"], []):
-        proc = bnrewrite(*args)
+        proc = in_subprocess(*args)
         assert_one_error_line(proc, 2)
 
 
@@ -359,7 +372,7 @@ def test_readme_examples_run(files, tmp_path):
     shutil.copytree(files.saved, tmp_path / "saved_model")
     for command, expected in commands:
         args = shlex.split(command)[1:]
-        proc = bnrewrite(*args, cwd=str(tmp_path))
+        proc = in_subprocess(*args, cwd=str(tmp_path))
         errors = [line for line in expected if line.startswith("bnrewrite: error:")]
         if errors:
             assert proc.returncode != 0 and proc.stderr.strip() == errors[0].strip(), (command, proc.stderr)
