@@ -317,21 +317,21 @@ def _export(graph: Any, attempts: int = 3) -> meta_graph_pb2.MetaGraphDef:
     taken again, and refused if the graph keeps changing."""
     import tensorflow as tf
 
-    first = graph.version
-    for attempt in range(attempts):
+    failure = ""
+    for _ in range(attempts):
         version = graph.version
         try:
             with graph.as_default():
                 meta = tf.compat.v1.train.export_meta_graph(graph=graph, clear_devices=False)
-        except Exception:  # noqa: BLE001 - TensorFlow's export fails in many ways on a graph that grows meanwhile
-            if attempt == attempts - 1 and graph.version == first:
-                raise  # the graph did not change: a failure of its own
+        except Exception as exc:  # noqa: BLE001 - TensorFlow's export fails in many ways on a graph that grows meanwhile
+            # (an op another thread is adding can be in the C graph before Python knows its name)
+            failure = f" ({type(exc).__name__}: {str(exc)[:200]})"
             continue
         if graph.version == version and len(meta.graph_def.node) == len(graph.get_operations()):
             return meta
     raise BnRewriteError(
-        "the tf.Graph changed while it was being read (another thread is adding ops to it); "
-        "rewrite it once it is built, or pass graph.as_graph_def() or a MetaGraphDef")
+        f"the tf.Graph could not be read whole{failure}: is another thread adding ops to it? "
+        "Rewrite it once it is built, or pass graph.as_graph_def() or a MetaGraphDef")
 
 
 def _drop_from_collections(meta: meta_graph_pb2.MetaGraphDef, removed: set[str], log: list[tuple[Any, list[str]]]) -> None:

@@ -6,6 +6,7 @@ subparser points at its cmd_* function in the module of that name.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from bnrewrite import __version__, errors, selfcheck
 from bnrewrite.cli.convert import cmd_convert
@@ -225,21 +226,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _non_negative_int(text: str) -> int:
+def _parsed(text: str, kind: type, what: str) -> Any:
+    """`text` as an int or float, or the argparse error saying it is not `what`."""
     try:
-        value = int(text)
+        return kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
+def _non_negative_int(text: str) -> int:
+    value = _parsed(text, int, "an integer")
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is negative")
     return value
 
 
 def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _parsed(text, float, "a number")
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative number of seconds")
     return value
