@@ -224,7 +224,7 @@ class Graph:
     def undo_in_place(self) -> None:
         """Put a GraphDef rewritten in place back as it was before `to_graph_def` (the nodes the
         edits appended stay, after the original ones: the caller drops them)."""
-        undo = getattr(self, "_undo", None)
+        undo = self._undo
         if undo is None:
             return
         nodes = self._stored

@@ -102,6 +102,7 @@ def effects(graph: Graph, grads: list[str], targets: Iterable[str] | None = None
 
 
 def gradient_ops(plan: Plan) -> list[str]:
+    """Every synced site's gradient ops, in every tower (what the steps are recognized by)."""
     return [g for group in plan.groups for site in group.sites for g in (*site.grads, *site.variance_grads)]
 
 

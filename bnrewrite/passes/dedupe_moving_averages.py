@@ -29,7 +29,7 @@ from bnrewrite.plan import Plan
 _KEEP = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault", "VarHandleOp", "VariableV2", "Variable"})
 #: Stateful ops that are still safe to drop once only removed updates read them: reads, and
 #: the assigns of a duplicate update's own bookkeeping (zero-debias's `local_step`).
-_DROPPABLE_STATEFUL = frozenset({"ReadVariableOp"})
+_DROPPABLE_STATEFUL = frozenset({"ReadVariableOp"}) | ASSIGN_OPS
 
 
 def dedupe_moving_averages(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
@@ -122,7 +122,7 @@ def _removable(graph: Graph, name: str) -> bool:
     node = graph.node(name)
     if node.op in _KEEP:
         return False
-    if node.op in _DROPPABLE_STATEFUL or node.op in ASSIGN_OPS:
+    if node.op in _DROPPABLE_STATEFUL:
         return True
     op_def = op_def_registry.get(node.op)
     return op_def is not None and not op_def.is_stateful
