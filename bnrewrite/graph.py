@@ -24,7 +24,7 @@ from tensorflow.core.framework import graph_pb2, node_def_pb2
 from bnrewrite.errors import GraphValidationError
 
 if TYPE_CHECKING:
-    from bnrewrite.shapes import ShapeInference
+    from bnrewrite.shapes import Shape, ShapeInference
 
 NodeDef = node_def_pb2.NodeDef
 
@@ -343,22 +343,29 @@ class Graph:
             raise GraphValidationError(f"node {name!r}: {exc}") from None
 
     def static_elements(self, spec: str) -> int | None:
-        """The number of elements of tensor `spec` when its static shape is known: recorded
-        (`_output_shapes`, as tf.train.export_meta_graph writes) or, for a node still as read,
-        inferred from the graph as read (bnrewrite.shapes); else None. The input is not changed."""
+        """The number of elements of tensor `spec` when its static shape is fully known (see
+        static_shape), else None."""
+        from bnrewrite.shapes import elements  # shapes reads the graph model's inputs
+
+        return elements(self.static_shape(spec))
+
+    def static_shape(self, spec: str) -> "Shape":
+        """The static shape of tensor `spec` where known: recorded (`_output_shapes`, as
+        tf.train.export_meta_graph writes) or, for a node still as read, inferred from the graph
+        as read (bnrewrite.shapes); else None. The input is not changed."""
         src, output = parse_input(spec)
         if output < 0 or src not in self._nodes:
             return None
-        from bnrewrite.shapes import elements, from_proto  # shapes reads the graph model's inputs
+        from bnrewrite.shapes import from_proto
 
         attrs = self.node(src).attr
         if "_output_shapes" in attrs:  # (reading a missing key would add it)
             shapes = attrs["_output_shapes"].list.shape
-            return elements(from_proto(shapes[output])) if output < len(shapes) else None
+            return from_proto(shapes[output]) if output < len(shapes) else None
         origin = self._origin
         if origin._nodes.get(src) != self._nodes[src]:
             return None  # added or changed by an edit: the graph as read does not tell
-        return elements(origin._shape_inference.shape(src, output))
+        return origin._shape_inference.shape(src, output)
 
     @cached_property
     def _shape_inference(self) -> "ShapeInference":

@@ -193,14 +193,22 @@ def test_unreadable_file_inside_a_saved_model_is_an_input_error(model_copy, tmp_
 
 
 def test_verify_says_which_graph_fails(files):
-    """A node of an op TensorFlow does not know, beside the towers: the rewritten graph does not
+    """An Add of shapes [2] and [3] beside the towers (TensorFlow's shape inference rejects it;
+    the rewrite does not infer shapes there and copies it): the rewritten graph does not
     import, and neither does the input; the message says both, with the input's own error."""
+    import tensorflow as tf
+
     model = io.load(files.pb)
-    stray = model.entries[0].graph_def.node.add()
-    stray.name, stray.op = "stray", "NoSuchOpInTensorFlow"
+    graph_def = model.entries[0].graph_def
+    for name, size in (("two", 2), ("three", 3)):
+        const = graph_def.node.add(name=name, op="Const")
+        const.attr["dtype"].type = tf.float32.as_datatype_enum
+        const.attr["value"].tensor.CopyFrom(tf.make_tensor_proto([0.0] * size, tf.float32))
+    stray = graph_def.node.add(name="stray", op="AddV2", input=["two", "three"])
+    stray.attr["T"].type = tf.float32.as_datatype_enum
     rewrite = io.rewrite(model)
     with pytest.raises(InputFormatError, match=r"the rewritten graph does not import into TensorFlow, and neither "
-                                               r"does the input graph itself \(.*NoSuchOpInTensorFlow.*\); fix or re-export the input"):
+                                               r"does the input graph itself \(.*stray.*\); fix or re-export the input"):
         io.verify(rewrite)
     fresh = io.rewrite(io.load(files.pb))  # the input imports; its rewrite, given a dangling input, does not
     fresh.outcomes[0].result.graph_def.node[0].input.append("no_such_node")
