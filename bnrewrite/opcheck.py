@@ -1,10 +1,14 @@
 """What TensorFlow's import would reject in a node, found from the op's registered OpDef
-without importing the graph: attr values of the wrong kind, an unknown or disallowed dtype
-or string, an input reading an output its producer does not have.
+without importing the graph: an op it does not know, attr values missing, of the wrong kind
+or an unknown or disallowed dtype or string, inputs out of order, too many or too few, or
+reading an output their producer does not have; and a fused batch norm whose static input
+shapes its shape function rejects.
 
 The rewrite reads batch-norm attrs (epsilon, T, ...) to build new nodes and keeps every
-other node as it is, so a malformed value must be an error here, not an exception in a
-pass or an output TensorFlow cannot import.
+other node as it is, so a malformed node must be an error here, not an exception in a
+pass or an output TensorFlow cannot import. Not checked (the import's own work, at a cost
+the rewrite's time budget has no room for): the dtype each edge carries, and the shapes of
+ops other than batch norms.
 """
 
 from __future__ import annotations
