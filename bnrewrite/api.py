@@ -28,7 +28,7 @@ from bnrewrite.match.sites import Census, scan
 from bnrewrite.collectives import BACKENDS
 from bnrewrite.match.towers import TOWER_BY
 from bnrewrite.nodes import MARK
-from bnrewrite.opcheck import check_output_indices
+from bnrewrite.opcheck import check_nodes
 from bnrewrite.passes import run_passes
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.passes.sites import KERNEL_MIN_ELEMENTS, kernel_size_unknown
@@ -208,7 +208,7 @@ def _rewrite(
 ) -> RewriteResult:
     model = Graph.from_graph_def(graph_def, storage=storage)
     model.validate()  # a dangling input or a cycle in the input is the input's fault, not a pass's
-    check_output_indices(model)
+    check_nodes(model)
     combined, bodies, census = take_census(model)
     if census.rewritten:
         if if_rewritten == "error":

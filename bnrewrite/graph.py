@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
 
 from tensorflow.core.framework import graph_pb2, node_def_pb2
 
-from bnrewrite.errors import GraphValidationError
+from bnrewrite.errors import GraphValidationError, InputFormatError
 
 if TYPE_CHECKING:
-    from bnrewrite.shapes import ShapeInference
+    from bnrewrite.shapes import Shape, ShapeInference
 
 NodeDef = node_def_pb2.NodeDef
 
@@ -34,6 +34,12 @@ _GAP = 1 << 20
 _WIDE = 16
 #: Edges out of these ops close v1 while-loops; they are not cycles.
 _LOOP_BACK_OPS = frozenset({"NextIteration", "RefNextIteration"})
+#: A graph of more nodes than this must average at least MIN_NODE_BYTES serialized bytes a
+#: node to be indexed: the index costs a roughly fixed amount per node, so a file of millions
+#: of near-empty nodes would take many times its size; a real model's nodes (names, op types,
+#: inputs, attrs) take several times the floor.
+DENSITY_FROM_NODES = 100_000
+MIN_NODE_BYTES = 64
 
 
 class Edge(NamedTuple):
@@ -104,6 +110,22 @@ class Device:
         return "".join(parts)
 
 
+def check_density(graph_def: graph_pb2.GraphDef) -> None:
+    """Raise InputFormatError for a graph of more than DENSITY_FROM_NODES nodes whose
+    serialized size averages less than MIN_NODE_BYTES a node (see there), before any per-node
+    Python object is made: what indexing it takes is then bounded by a multiple of its size."""
+    count = len(graph_def.node)
+    if count <= DENSITY_FROM_NODES:
+        return
+    size = graph_def.ByteSize()
+    if size < count * MIN_NODE_BYTES:
+        raise InputFormatError(
+            f"the graph has {count:,} nodes in {size:,} bytes ({size / count:.0f} bytes a node); a model's nodes "
+            f"(names, op types, inputs, attributes) take at least {MIN_NODE_BYTES} bytes each on average, and "
+            "indexing this many near-empty ones would take many times the file's size in memory: "
+            "is the file generated or corrupt?")
+
+
 class Graph:
     """Node names, in GraphDef order, each with where its node is stored, plus lazily built
     indexes.
@@ -144,6 +166,7 @@ class Graph:
         """The graph of `graph_def`. storage: the GraphDef edits append their nodes to and
         `to_graph_def()` returns (a new one by default); `graph_def` itself to rewrite it in
         place, which saves copying the nodes kept."""
+        check_density(graph_def)
         if storage is None:
             storage = graph_pb2.GraphDef()
         in_place = storage is graph_def
@@ -343,22 +366,29 @@ class Graph:
             raise GraphValidationError(f"node {name!r}: {exc}") from None
 
     def static_elements(self, spec: str) -> int | None:
-        """The number of elements of tensor `spec` when its static shape is known: recorded
-        (`_output_shapes`, as tf.train.export_meta_graph writes) or, for a node still as read,
-        inferred from the graph as read (bnrewrite.shapes); else None. The input is not changed."""
+        """The number of elements of tensor `spec` when its static shape is fully known (see
+        static_shape), else None."""
+        from bnrewrite.shapes import elements  # shapes reads the graph model's inputs
+
+        return elements(self.static_shape(spec))
+
+    def static_shape(self, spec: str) -> "Shape":
+        """The static shape of tensor `spec` where known: recorded (`_output_shapes`, as
+        tf.train.export_meta_graph writes) or, for a node still as read, inferred from the graph
+        as read (bnrewrite.shapes); else None. The input is not changed."""
         src, output = parse_input(spec)
         if output < 0 or src not in self._nodes:
             return None
-        from bnrewrite.shapes import elements, from_proto  # shapes reads the graph model's inputs
+        from bnrewrite.shapes import from_proto
 
         attrs = self.node(src).attr
         if "_output_shapes" in attrs:  # (reading a missing key would add it)
             shapes = attrs["_output_shapes"].list.shape
-            return elements(from_proto(shapes[output])) if output < len(shapes) else None
+            return from_proto(shapes[output]) if output < len(shapes) else None
         origin = self._origin
         if origin._nodes.get(src) != self._nodes[src]:
             return None  # added or changed by an edit: the graph as read does not tell
-        return elements(origin._shape_inference.shape(src, output))
+        return origin._shape_inference.shape(src, output)
 
     @cached_property
     def _shape_inference(self) -> "ShapeInference":

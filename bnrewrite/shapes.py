@@ -258,7 +258,15 @@ def _bias_add(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shap
 
 
 def _fused_batch_norm(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shape, ...]:
-    return (ins[0],)  # y; the statistics are not needed upstream of a batch norm
+    """y as x, then the batch statistics and the first two reserve spaces: vectors of x's
+    channel count (merged with scale's); V3's third reserve space is left unknown."""
+    x, scale = ins[0], ins[1] if len(ins) > 1 else None
+    data_format = _text(node, "data_format", b"NHWC")
+    channels = [x[data_format.find(b"C")]] if x is not None and len(x) == len(data_format) else []
+    if scale is not None and len(scale) == 1:
+        channels.append(scale[0])
+    vector = (_merge(channels),) if channels else (-1,)
+    return (x, vector, vector, vector, vector, *((None,) if node.op == "FusedBatchNormV3" else ()))
 
 
 def _reduce(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shape, ...]:

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from io import StringIO
 
 import numpy as np
 import pytest
@@ -205,7 +207,36 @@ def _read_output(index):
     return mutate
 
 
+def _untouched(mutate_node):
+    """Mutate the first Relu: a node the rewrite copies as it is."""
+    def mutate(graph_def):
+        mutate_node(next(n for n in graph_def.node if n.op == "Relu"), graph_def)
+    return mutate
+
+
+def _bn_input(slot, other):
+    """Swap data input `slot` of the first forward (other < 0: of its gradient, with slot -other)."""
+    def mutate(graph_def):
+        node = _bn(graph_def) if other >= 0 else _grad(graph_def)
+        j = abs(other)
+        node.input[slot], node.input[j] = node.input[j], node.input[slot]
+    return mutate
+
+
 MALFORMED = [
+    ("unregistered_op", _untouched(lambda n, g: setattr(n, "op", "NoSuchOp")),
+     "op 'NoSuchOp' is neither a TensorFlow op nor a function of the graph's library"),
+    ("attr_of_wrong_kind", _untouched(lambda n, g: setattr(n.attr["T"], "s", b"float")),
+     r"\(Relu\): attr T holds a string value where Relu takes a type"),
+    ("dtype_not_allowed", _untouched(lambda n, g: setattr(n.attr["T"], "type", tf.string.as_datatype_enum)),
+     r"\(Relu\): attr T is DT_STRING; Relu takes DT_"),
+    ("required_attr_missing", _untouched(lambda n, g: n.attr.pop("T")), r"\(Relu\): attr T is missing"),
+    ("extra_input", _untouched(lambda n, g: n.input.append(n.input[0])), r"\(Relu\) has 2 data inputs; Relu takes 1"),
+    ("data_after_control", _untouched(lambda n, g: n.input.insert(0, "^" + _bn(g).name)), "comes after a control input"),
+    ("colocated_with_nothing", _untouched(lambda n, g: n.attr["_class"].list.s.append(b"loc:@gone")),
+     "to be colocated with 'gone', which does not exist"),
+    ("bn_channels_mismatch", _set("data_format", s=b"NCHW"), "has 2 channels where .* has 3"),
+    ("grad_dy_a_vector", _bn_input(0, -3), r"input 0 '.*FusedBatchNormV3:3' has shape \[2\], of rank 1; it takes rank 4"),
     ("epsilon_string", _set("epsilon", s=b"0.001"), "attr epsilon holds a string value"),
     ("avg_factor_string", _set("exponential_avg_factor", s=b"1"), "attr exponential_avg_factor holds a string"),
     ("T_unknown_enum", _set("T", type=77), "attr T is unknown dtype 77"),
@@ -236,6 +267,26 @@ def test_malformed_graph_through_the_command_line(tmp_path, base):
     assert proc.returncode == GraphValidationError.exit_code, proc.stderr
     assert proc.stderr.startswith("bnrewrite: error: ") and "DT_INT32" in proc.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("case", ["unregistered_op", "attr_of_wrong_kind", "extra_input", "grad_dy_a_vector"])
+def test_untouched_node_tensorflow_rejects_through_the_command_line(tmp_path, base, case):
+    """A node the rewrite would copy as it is, which TensorFlow's import rejects: convert (run by
+    main() in process) exits with GraphValidationError's code and one line, nothing written;
+    it used to exit 0 with an output TensorFlow cannot import."""
+    from bnrewrite.cli import main
+
+    graph_def = _copy(base)
+    next(m for m in MALFORMED if m[0] == case)[1](graph_def)
+    path, out = tmp_path / "in.pb", tmp_path / "out.pb"
+    path.write_bytes(graph_def.SerializeToString())
+    err = StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(StringIO()):
+        code = main(["convert", str(path), str(out)])
+    assert code == GraphValidationError.exit_code, err.getvalue()
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bnrewrite: error: node "), lines
+    assert not out.exists() and os.listdir(tmp_path) == ["in.pb"]
 
 
 def test_long_identity_chain_between_batch_norm_and_gradient(base):
@@ -521,3 +572,65 @@ def test_fifo_inside_a_saved_model_is_an_input_error(tmp_path):
     proc, _, _ = _cli("convert", saved, str(tmp_path / "out"))
     assert proc.returncode == InputFormatError.exit_code and "variables/pipe" in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------
+# Millions of near-empty nodes: refused before any per-node index is built
+# ---------------------------------------------------------------------------
+
+
+def _no_ops(count: int, name_length: int) -> bytes:
+    """The serialized nodes of a GraphDef: `count` NoOps with names of `name_length` characters."""
+    parts = []
+    for i in range(count):
+        name = f"{i:0{name_length}d}"[-name_length:].encode() if name_length >= len(str(i)) else str(i).encode()
+        node = b"\x0a" + bytes([len(name)]) + name + b"\x12\x04NoOp"
+        parts.append(b"\x0a" + bytes([len(node)]) + node)
+    return b"".join(parts)
+
+
+def test_graph_of_near_empty_nodes_is_refused_before_indexing(base, tmp_path):
+    """Above graph.DENSITY_FROM_NODES nodes, a graph averaging under MIN_NODE_BYTES a node is an
+    InputFormatError (the API; the command line: exit 3, one line); just above the floor it is
+    indexed (and then refused for what it is: no towers among the NoOps)."""
+    from bnrewrite.graph import DENSITY_FROM_NODES, MIN_NODE_BYTES, Graph
+
+    count = DENSITY_FROM_NODES + 1 - len(base.node)
+    tiny = tf.compat.v1.GraphDef.FromString(base.SerializeToString() + _no_ops(count, 1))
+    assert tiny.ByteSize() < MIN_NODE_BYTES * len(tiny.node)
+    with pytest.raises(InputFormatError, match=r"the graph has 100,001 nodes in [\d,]+ bytes \(\d+ bytes a node\); "
+                                               r"a model's nodes .* take at least 64 bytes each"):
+        rewrite_graph(tiny)
+    path = tmp_path / "tiny.pb"
+    path.write_bytes(tiny.SerializeToString())
+    from bnrewrite.cli import main
+
+    err = StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(StringIO()):
+        code = main(["convert", str(path), str(tmp_path / "out.pb")])
+    assert code == InputFormatError.exit_code and len(err.getvalue().splitlines()) == 1, err.getvalue()
+    assert "100,001 nodes" in err.getvalue() and not (tmp_path / "out.pb").exists()
+
+    dense = tf.compat.v1.GraphDef.FromString(base.SerializeToString() + _no_ops(count, MIN_NODE_BYTES - 8))
+    assert dense.ByteSize() >= MIN_NODE_BYTES * len(dense.node)
+    assert len(Graph.from_graph_def(dense)) == DENSITY_FROM_NODES + 1
+
+
+@pytest.mark.slow
+def test_memory_on_a_million_near_empty_nodes_is_a_small_multiple_of_the_file(tmp_path, base):
+    """A GraphDef of 1M NoOps with 1-4 character names: rewrite_graph in a fresh process
+    refuses it, its peak memory over the baseline (TensorFlow imported) within 16 times the
+    file, most of it the protobuf parse (docs/performance.md has the figures)."""
+    path = tmp_path / "tiny.pb"
+    path.write_bytes(base.SerializeToString() + _no_ops(1_000_000, 4))
+    script = ("import resource, sys; from tensorflow.core.framework import graph_pb2; import bnrewrite\n"
+              "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+              "graph_def = graph_pb2.GraphDef.FromString(open(sys.argv[1], 'rb').read())\n"
+              "try:\n    bnrewrite.rewrite_graph(graph_def)\nexcept bnrewrite.InputFormatError:\n    print('refused')\n"
+              "print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    verdict, figures = proc.stdout.splitlines()
+    before, after = (int(v) * 1024 for v in figures.split())
+    assert verdict == "refused"
+    assert after - before <= 16 * path.stat().st_size, (after - before) / path.stat().st_size

@@ -19,7 +19,8 @@ import pytest
 from model_files import cached_models, tree_snapshot
 
 from bnrewrite import cli, io
-from bnrewrite.errors import InputFormatError, PassError
+from bnrewrite.errors import InputFormatError, OutputError, PassError
+from bnrewrite.io import staging
 from bnrewrite.io.staging import OLD_PREFIX, TEMP_PREFIX
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -193,14 +194,22 @@ def test_unreadable_file_inside_a_saved_model_is_an_input_error(model_copy, tmp_
 
 
 def test_verify_says_which_graph_fails(files):
-    """A node of an op TensorFlow does not know, beside the towers: the rewritten graph does not
+    """An Add of shapes [2] and [3] beside the towers (TensorFlow's shape inference rejects it;
+    the rewrite does not infer shapes there and copies it): the rewritten graph does not
     import, and neither does the input; the message says both, with the input's own error."""
+    import tensorflow as tf
+
     model = io.load(files.pb)
-    stray = model.entries[0].graph_def.node.add()
-    stray.name, stray.op = "stray", "NoSuchOpInTensorFlow"
+    graph_def = model.entries[0].graph_def
+    for name, size in (("two", 2), ("three", 3)):
+        const = graph_def.node.add(name=name, op="Const")
+        const.attr["dtype"].type = tf.float32.as_datatype_enum
+        const.attr["value"].tensor.CopyFrom(tf.make_tensor_proto([0.0] * size, tf.float32))
+    stray = graph_def.node.add(name="stray", op="AddV2", input=["two", "three"])
+    stray.attr["T"].type = tf.float32.as_datatype_enum
     rewrite = io.rewrite(model)
     with pytest.raises(InputFormatError, match=r"the rewritten graph does not import into TensorFlow, and neither "
-                                               r"does the input graph itself \(.*NoSuchOpInTensorFlow.*\); fix or re-export the input"):
+                                               r"does the input graph itself \(.*stray.*\); fix or re-export the input"):
         io.verify(rewrite)
     fresh = io.rewrite(io.load(files.pb))  # the input imports; its rewrite, given a dangling input, does not
     fresh.outcomes[0].result.graph_def.node[0].input.append("no_such_node")
@@ -285,3 +294,111 @@ def test_real_signals_while_writing(all_or_nothing):
         assert err.splitlines() == [f"bnrewrite: error: {'interrupted' if signum == signal.SIGINT else 'stopped by ' + name}; "
                                     "nothing was written"], err
         assert after == before, f"{name}: {sorted(set(after.items()) ^ set(before.items()))[:5]}"
+
+
+# ---------------------------------------------------------------------------
+# After a killed run (SIGKILL, power loss): what it left beside the outputs
+# ---------------------------------------------------------------------------
+
+
+def _dead_pid() -> int:
+    """The id of a process that has finished (and been waited for)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_leftovers_of_a_dead_run_are_told_apart(tmp_path):
+    """Only names of the exact pattern whose process is gone count: another run's (alive),
+    look-alikes and another target's are left alone; temporary names and hard-linked old
+    copies are removed; an old copy with the target missing is refused with the mv to undo it."""
+    dead, alive = _dead_pid(), os.getpid()
+    out = tmp_path / "o.pb"
+    _put(out, b"new graph")
+    names = {
+        f"{TEMP_PREFIX}o.pb-{dead}-abc_1234": "removed",
+        f"{OLD_PREFIX}o.pb-{dead}-xyz98765": "hard link",
+        f"{OLD_PREFIX}o.pb-{dead}-qqqqqqqq": "kept",
+        f"{TEMP_PREFIX}o.pb-{alive}-abcd1234": "alive",
+        f"{TEMP_PREFIX}o.pb-{dead}-abc": "look-alike",
+        f"{TEMP_PREFIX}o.pb-x{dead}-abcd1234": "look-alike",
+        f"{TEMP_PREFIX}other.pb-{dead}-abcd1234": "another target",
+        f"{TEMP_PREFIX}o.pb-1-{dead}-abcd1234": "another target",  # of a file named "o.pb-1"
+    }
+    for name, role in names.items():
+        if role == "hard link":
+            os.link(out, tmp_path / name)
+        else:
+            _put(tmp_path / name, role.encode())
+    (tmp_path / f"{TEMP_PREFIX}o.pb-{dead}-dir_5678").mkdir()  # a staged directory
+    _put(tmp_path / f"{TEMP_PREFIX}o.pb-{dead}-dir_5678" / "saved_model.pb")
+    notes = staging.clear_leftovers(str(out), "OUT")
+    assert notes[0].startswith(f"removed 3 leftover(s) of OUT {out} from a killed bnrewrite run: "), notes
+    assert notes[1] == (f"a killed bnrewrite run replaced OUT {out} but left its earlier content at "
+                        f"{tmp_path / (OLD_PREFIX + f'o.pb-{dead}-qqqqqqqq')}; delete it if you do not need it")
+    left = {n for n in os.listdir(tmp_path)}
+    assert left == {"o.pb", *(n for n, role in names.items() if role not in ("removed", "hard link"))}
+    assert out.read_bytes() == b"new graph"
+
+    out.unlink()  # the killed run had moved the earlier content aside and not yet put the new one in
+    before = tree_snapshot(str(tmp_path))
+    aside = tmp_path / f"{OLD_PREFIX}o.pb-{dead}-qqqqqqqq"
+    with pytest.raises(OutputError, match=re.escape(
+            f"a previous bnrewrite run was killed while replacing OUT {out}: its earlier content is at {aside}; "
+            f"restore it with `mv {aside} {out}` (or delete it), then run again; nothing was written")):
+        staging.clear_leftovers(str(out), "OUT")
+    assert tree_snapshot(str(tmp_path)) == before
+
+
+def test_second_run_after_a_commit_killed_at_every_step(files, tmp_path, capsys):
+    """killed_commit.py commits a SavedModel OUT and a --report with --force and dies (os._exit,
+    as SIGKILL) before each file operation of the commit in turn; then `convert` runs again
+    on the same paths: refused, with the mv that restores OUT, when the kill left OUT moved
+    aside (nothing changed by the refusal; after the mv, the run succeeds); otherwise it removes
+    the dead run's temporary names, says so on stderr, and writes both outputs. Paths that
+    are not the dead run's own (another run's, alive) are untouched."""
+    script = os.path.join(TESTS, "killed_commit.py")
+
+    def killed(scene, k: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, script, str(scene / "out"), str(scene / "r.json"), str(k)],
+                              capture_output=True, text=True, env=ENV, timeout=60)
+
+    def scene_at(k: int):
+        scene = tmp_path / f"k{k}"
+        shutil.copytree(files.saved, scene / "out")
+        _put(scene / "r.json", b"old report")
+        _put(scene / f"{TEMP_PREFIX}r.json-{os.getpid()}-live_123", b"another run's")
+        return scene, killed(scene, k)
+
+    _, clean = scene_at(0)
+    steps = int(clean.stdout)
+    assert steps == 6, clean  # out moved aside, moved in; r.json linked aside, replaced; both old copies removed
+    outcomes = []
+    for k in range(1, steps + 1):
+        scene, run = scene_at(k)
+        assert run.returncode == 9, run.stderr
+        argv = [files.saved, str(scene / "out"), "--tags", "train", "--force", "--report", str(scene / "r.json")]
+        if not (scene / "out").exists():
+            before = tree_snapshot(str(scene))
+            code, _, err = convert(capsys, *argv)
+            aside = next(scene / n for n in os.listdir(scene) if n.startswith(OLD_PREFIX + "out-"))
+            assert code == OutputError.exit_code and err.splitlines() == [
+                f"bnrewrite: error: a previous bnrewrite run was killed while replacing OUT {scene / 'out'}: its earlier "
+                f"content is at {aside}; restore it with `mv {aside} {scene / 'out'}` (or delete it), then run again; "
+                "nothing was written"], err
+            assert tree_snapshot(str(scene)) == before
+            os.rename(aside, scene / "out")  # what the message says to do
+            outcomes.append("refused")
+        temps = [n for n in _leftovers(scene) if n.startswith(TEMP_PREFIX) and "live_123" not in n]
+        code, _, err = convert(capsys, *argv)
+        assert code == 0, err
+        notes = [line for line in err.splitlines() if line.startswith("bnrewrite: note: removed")]
+        assert len(notes) == (1 if any(n.startswith(TEMP_PREFIX + "out-") for n in temps) else 0) + (
+            1 if any(n.startswith(TEMP_PREFIX + "r.json-") for n in temps) else 0), (k, err, temps)
+        assert json.loads((scene / "r.json").read_text())["command"] == "convert"
+        left = _leftovers(scene)
+        assert [n for n in left if n.startswith(TEMP_PREFIX)] == [f"{TEMP_PREFIX}r.json-{os.getpid()}-live_123"], (k, left)
+        for old in (n for n in left if n.startswith(OLD_PREFIX)):  # earlier content kept only where said
+            assert f"left its earlier content at {scene / old}" in err, (k, err)
+        outcomes.append("removed" if notes else "clean")
+    assert outcomes == ["removed", "refused", "removed", "removed", "removed", "clean", "clean"], outcomes

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from bnrewrite.cli.document import json_report, rewrite_keywords
-from bnrewrite.cli.output import Printer, entries_summary, report_text
+from bnrewrite.cli.output import Printer, entries_summary, print_note, report_text
 from bnrewrite.cli.tf import import_tensorflow
 from bnrewrite.errors import OutputError
 
@@ -37,6 +37,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         from bnrewrite import visualize
 
         visualize.check_target(args.dot)
+    for flag, path in written:  # what a killed run left beside them: refused, or removed when scratch
+        for note in io.clear_leftovers(path, flag):
+            print_note(note)
     tag_sets = io.parse_tags(args.tags)
 
     import_tensorflow()

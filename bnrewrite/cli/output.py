@@ -39,6 +39,12 @@ def print_error(message: str) -> None:
     sys.stderr.flush()
 
 
+def print_note(message: str) -> None:
+    """`bnrewrite: note: MESSAGE` as one line on stderr (something done that the user should know)."""
+    sys.stderr.write(f"{PROG}: note: {one_line(message, 2000)}\n")
+    sys.stderr.flush()
+
+
 def one_line(text: str, limit: int = 500) -> str:
     """`text` on one line, whitespace collapsed, cut to `limit` characters."""
     line = " ".join(str(text).split())

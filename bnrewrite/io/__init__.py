@@ -16,12 +16,12 @@ from bnrewrite.io.load import check_input, load, make_model, validate
 from bnrewrite.io.model import DESCRIPTIONS, FORMATS, Entry, Model, Outcome, Rewrite
 from bnrewrite.io.save import as_format, model_tree, output_entries, serialize, stage_model
 from bnrewrite.io.sniff import parse_bytes
-from bnrewrite.io.staging import FILE, LOGDIR, SAVED_MODEL, Outputs, check_output, same_or_nested
+from bnrewrite.io.staging import FILE, LOGDIR, SAVED_MODEL, Outputs, check_output, clear_leftovers, same_or_nested
 from bnrewrite.io.verify import import_check, verify
 
 __all__ = [
     "DESCRIPTIONS", "FILE", "FORMATS", "LOGDIR", "SAVED_MODEL", "Entry", "Model", "Outcome", "Outputs", "Rewrite",
-    "as_format", "check_input", "check_output", "import_check", "load", "located", "make_model", "meta_references",
+    "as_format", "check_input", "check_output", "clear_leftovers", "import_check", "load", "located", "make_model", "meta_references",
     "model_tree", "nothing_rewritten", "output_entries", "parse_bytes", "parse_tags", "rewrite", "same_or_nested",
     "select", "serialize", "stage_model", "validate", "verify",
 ]

@@ -15,6 +15,8 @@ every exit path removes the temporary names.
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import signal
 import stat
@@ -27,9 +29,11 @@ from dataclasses import dataclass, field
 from bnrewrite.errors import OutputError
 from bnrewrite.io.model import SAVED_MODEL_PB, SAVED_MODEL_PBTXT, shown
 
-#: Names of staged outputs and of old ones moved aside during a commit.
+#: Names of staged outputs and of old ones moved aside during a commit: the prefix, the
+#: target's name, "-", the writing process's id, "-", 8 random characters (tempfile's).
 TEMP_PREFIX = ".bnrewrite-tmp-"
 OLD_PREFIX = ".bnrewrite-old-"
+_TAIL = re.compile(r"(\d+)-[a-z0-9_]{8}")
 #: The signals held during a commit (those that ask a process to stop and may be handled).
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
@@ -157,6 +161,78 @@ def check_target(path: str, kind: str, force: bool, what: str) -> None:
         raise OutputError(f"{what} {shown(path)} already exists ({there}); pass --force to replace it, or choose a new path")
 
 
+def _alive(pid: int) -> bool:
+    """Whether process `pid` may still run (any doubt: yes)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # another user's process, or no valid pid: not provably gone
+        return True
+    return True
+
+
+def leftovers(path: str) -> tuple[list[str], list[str]]:
+    """The temporary and old-copy names of `path` beside it that a bnrewrite process no longer
+    running left (killed mid-write, e.g. by SIGKILL): name pattern exact, process id dead."""
+    parent, base = os.path.split(os.path.abspath(path))
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return [], []
+    found: tuple[list[str], list[str]] = ([], [])
+    for prefix, into in zip((TEMP_PREFIX, OLD_PREFIX), found):
+        head = f"{prefix}{base}-"
+        for name in names:
+            match = _TAIL.fullmatch(name, len(head)) if name.startswith(head) else None
+            if match is not None and not _alive(int(match.group(1))):
+                into.append(os.path.join(parent, name))
+    return found
+
+
+def clear_leftovers(path: str, what: str = "output") -> list[str]:
+    """Deal with what a killed run left beside output `path`; returns notes for the user.
+
+    An old copy with `path` itself missing: a run was killed mid-replacement, and the copy is
+    the only one of the earlier content: OutputError saying how to put it back. Otherwise
+    temporary names (never committed) and old copies that are hard links of `path` (the same
+    file) are removed: scratch of a dead bnrewrite process, nothing lost. An old copy of
+    other content (the killed run had already put its new output in place) is kept, and said."""
+    temps, olds = leftovers(path)
+    where = shown(path)
+    if olds and not os.path.lexists(path):
+        more = f" (older ones: {', '.join(shown(o) for o in olds[1:])})" if len(olds) > 1 else ""
+        raise OutputError(
+            f"a previous bnrewrite run was killed while replacing {what} {where}: its earlier content is at "
+            f"{shown(olds[0])}{more}; restore it with `mv {shlex.quote(olds[0])} {shlex.quote(path)}` (or delete it), "
+            "then run again; nothing was written")
+    duplicates = [o for o in olds if _same_file(o, path)]
+    scratch = temps + duplicates
+    left = _remove_all(scratch)
+    removed = [p for p in scratch if shown(p) not in left]
+    notes = []
+    if removed:
+        notes.append(f"removed {len(removed)} leftover(s) of {what} {where} from a killed bnrewrite run: "
+                     + ", ".join(shown(os.path.basename(p)) for p in removed))
+    if left:
+        notes.append(f"leftovers of {what} {where} from a killed bnrewrite run could not be removed: {', '.join(left)}")
+    kept = [o for o in olds if o not in duplicates]
+    if kept:
+        notes.append(f"a killed bnrewrite run replaced {what} {where} but left its earlier content at "
+                     f"{', '.join(shown(o) for o in kept)}; delete it if you do not need it")
+    return notes
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        sa, sb = os.lstat(a), os.lstat(b)
+    except OSError:
+        return False
+    return stat.S_ISREG(sa.st_mode) and (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
 @contextmanager
 def held_signals() -> Iterator[list[int]]:
     """Hold SIGINT, SIGTERM and SIGHUP for the block: the list yielded collects those that
@@ -226,8 +302,8 @@ class Outputs:
 
     def _temp(self, path: str, kind: str, what: str) -> _Staged:
         check_target(path, kind, self.force, what)
-        parent = os.path.dirname(os.path.abspath(path))
-        prefix = f"{TEMP_PREFIX}{os.path.basename(path)}-"
+        parent, base = os.path.split(os.path.abspath(path))
+        prefix = f"{TEMP_PREFIX}{base}-{os.getpid()}-"
         with held_signals():  # the name is recorded before any interrupt can leave it behind
             try:
                 if kind == FILE:
@@ -275,9 +351,10 @@ class Outputs:
         return notes
 
     def _place(self, item: _Staged) -> None:
-        final, parent = item.final, os.path.dirname(os.path.abspath(item.final))
+        final = item.final
+        parent, base = os.path.split(os.path.abspath(final))
         if os.path.lexists(final):
-            item.aside = os.path.join(parent, f"{OLD_PREFIX}{os.path.basename(final)}-{os.path.basename(item.temp)[-8:]}")
+            item.aside = os.path.join(parent, f"{OLD_PREFIX}{base}-{os.getpid()}-{item.temp[-8:]}")
             if item.kind == FILE:
                 try:  # the old file stays at `final` until the new one replaces it in one step
                     os.link(final, item.aside)

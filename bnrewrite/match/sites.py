@@ -11,7 +11,7 @@ from tensorflow.python.framework import tensor_util
 
 from bnrewrite.graph import Device, Graph
 from bnrewrite.nodes import MARK
-from bnrewrite.opcheck import check_attrs
+from bnrewrite.opcheck import check_attrs, check_batch_norm_shapes
 
 FUSED_FORWARD = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
 FUSED_GRAD = frozenset({"FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3"})
@@ -174,6 +174,8 @@ def scan(graph: Graph) -> Census:
             continue
         if node.op in _ATTRS_READ:
             check_attrs(node)  # the rewrite builds its nodes from these attrs
+            if node.op != "Mean":
+                check_batch_norm_shapes(graph, node)  # the rewrite keeps it: TensorFlow must import it
         if node.op == "Mean":
             site, reason = _moments_site(graph, node, gradient_reshapes)
             if site is not None:
