@@ -24,7 +24,8 @@ from bnrewrite.graph import Graph, parse_input
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_FLOAT, Builder, DType, identity_n
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sites import SiteContext, deviations, each_site, kernel_sized, statistics_node
+from bnrewrite.passes.sites import (SiteContext, deviations, each_site, kernel_sized, layer_counts, static_total,
+                                   statistics_node)
 from bnrewrite.plan import Plan
 
 F = DT_FLOAT
@@ -71,18 +72,26 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
         sum_dy_dev = b.reduce_sum("sum_dy_deviations", b.binary("Mul", "dy_deviations", dyf, centred, F), axes, F, False)
         sum_dy_xc = b.binary("Sub", "sum_dy_xc", sum_dy_dev, b.binary("Mul", "shift_sum_dy", shift, sum_dy, F), F)
     collective = ctx.plan.collective(ctx.layer, phase, ctx.tower)
-    if counted is not None:
+    rstd_sq = b.binary("Mul", "rstd_sq", rstd, rstd, F)
+    static = _static_total(ctx, phase)
+    if static is not None:
         reduce_name = all_reduce(b, "all_reduce", b.concat("sums", [sum_dy, sum_dy_xc], F), F, collective)
-        total, (gsum_dy, gsum_dy_xc) = b.cast("count", counted, U, F), b.split_pairs("global", reduce_name, F)
+        gsum_dy, gsum_dy_xc = b.split_pairs("global", reduce_name, F)
+        inverse = b.const("reciprocal_total", 1.0 / static, np.float32)
+        mean_dy = b.binary("Mul", "mean_dy", gsum_dy, inverse, F)
+        proj = b.binary("Mul", "projection", gsum_dy_xc, b.binary("Mul", "rstd_sq_per_example", rstd_sq, inverse, F), F)
     else:
-        packed = b.concat("sums", [b.count("count", x, axes, T, F), sum_dy, sum_dy_xc], F)
-        reduce_name = all_reduce(b, "all_reduce", packed, F, collective)
-        total, (gsum_dy, gsum_dy_xc) = b.split_count("global", reduce_name, F)
+        if counted is not None:
+            reduce_name = all_reduce(b, "all_reduce", b.concat("sums", [sum_dy, sum_dy_xc], F), F, collective)
+            total, (gsum_dy, gsum_dy_xc) = b.cast("count", counted, U, F), b.split_pairs("global", reduce_name, F)
+        else:
+            packed = b.concat("sums", [b.count("count", x, axes, T, F), sum_dy, sum_dy_xc], F)
+            reduce_name = all_reduce(b, "all_reduce", packed, F, collective)
+            total, (gsum_dy, gsum_dy_xc) = b.split_count("global", reduce_name, F)
+        mean_dy = b.binary("DivNoNan", "mean_dy", gsum_dy, total, F)
+        proj = b.binary("DivNoNan", "projection", b.binary("Mul", "dy_xc_rstd_sq", gsum_dy_xc, rstd_sq, F), total, F)
     ctx.record.collectives.append(reduce_name)
 
-    mean_dy = b.binary("DivNoNan", "mean_dy", gsum_dy, total, F)
-    rstd_sq = b.binary("Mul", "rstd_sq", rstd, rstd, F)
-    proj = b.binary("DivNoNan", "projection", b.binary("Mul", "dy_xc_rstd_sq", gsum_dy_xc, rstd_sq, F), total, F)
     gain = b.binary("Mul", "gain", b.cast("scale", scale, U, F), rstd, F)
     # dy - mean_dy - (x - mean) * proj, with x - mean = centred - shift
     xc_proj = b.binary("Mul", "xc_proj", centred, b.per_channel("projection_b", proj, shape, F), F)
@@ -116,9 +125,14 @@ def _rewrite_grad_with_kernels(grad: str, site: Site, ctx: SiteContext, phase: i
     gsum_dy, gsum_dy_xhat = b.split_pairs("global", reduce_name, F)
     minus_gain = b.unary("Neg", "minus_gain", b.binary("Mul", "gain", scale, rstd, F), F)
 
+    static = _static_total(ctx, phase)
+    inverse = b.const("reciprocal_total", 1.0 / static, np.float32) if static is not None else ""
+
     def correction_factor(name: str, global_sum: str) -> str:
         """-gain * the global mean that dx takes off."""
-        return b.binary("Mul", name, minus_gain, b.binary("DivNoNan", f"{name}/global_mean", global_sum, counted, F), F)
+        mean = (b.binary("Mul", f"{name}/global_mean", global_sum, inverse, F) if inverse
+                else b.binary("DivNoNan", f"{name}/global_mean", global_sum, counted, F))
+        return b.binary("Mul", name, minus_gain, mean, F)
 
     correction = b.node("FusedBatchNormV3", "correction", [
         x, correction_factor("correction_scale", gsum_dy_xhat), correction_factor("correction_offset", gsum_dy),
@@ -139,6 +153,13 @@ def _replace(grad: str, b: Builder, dx: str, dscale: str, doffset: str, controls
     outputs = [dx, b.node("Identity", "dscale", [dscale, after_dx], T=DType(U)), b.node("Identity", "doffset", [doffset, after_dx], T=DType(U))]
     empty = b.cast("empty", b.const("empty_float", np.zeros([0], np.float32), np.float32), F, U)
     ctx.editor.replace(identity_n(grad, outputs + [empty, empty] + controls, [T, U, U, U, U], b.device, ctx.key))
+
+
+def _static_total(ctx: SiteContext, phase: int) -> int | None:
+    """The layer's global count when static (bnrewrite.passes.sites.static_total), from the x
+    and scale each copy's gradient `phase` reads."""
+    counts = layer_counts(ctx.graph, ctx, lambda copy: ctx.graph.node(copy.grads[phase - 1]).input[1:3] if len(copy.grads) >= phase else None)
+    return static_total(ctx.graph, ctx, counts)
 
 
 def _forward_count(graph: Graph, grad: str, site: Site) -> str | None:
