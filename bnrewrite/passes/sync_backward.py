@@ -60,6 +60,8 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     dyf = b.cast("dy_float", dy, T, F)
     rstd = b.cast("rstd", saved_rstd, U, F)
     sum_dy = b.reduce_sum("sum_dy", dyf, axes, F, False)
+    gain = b.binary("Mul", "gain", b.cast("scale", scale, U, F), rstd, F)
+    dy_gain = b.binary("Mul", "dy_gain", dyf, b.per_channel("gain_b", gain, shape, F), F)
     from_forward = deviations(ctx.graph, site)
     if from_forward is None:
         mean = b.per_channel("mean_b", b.cast("mean", saved_mean, U, F), shape, F)
@@ -92,16 +94,14 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
         proj = b.binary("DivNoNan", "projection", b.binary("Mul", "dy_xc_rstd_sq", gsum_dy_xc, rstd_sq, F), total, F)
     ctx.record.collectives.append(reduce_name)
 
-    gain = b.binary("Mul", "gain", b.cast("scale", scale, U, F), rstd, F)
-    # dy - mean_dy - (x - mean) * proj, with x - mean = centred - shift
-    xc_proj = b.binary("Mul", "xc_proj", centred, b.per_channel("projection_b", proj, shape, F), F)
-    dy_minus_xc_proj = b.binary("Sub", "dy_minus_xc_proj", dyf, xc_proj, F)
-    if shift:
-        constant = b.binary("Sub", "shift_proj_minus_mean_dy", b.binary("Mul", "shift_proj", shift, proj, F), mean_dy, F)
-        inner = b.binary("AddV2", "dy_minus_proj", dy_minus_xc_proj, constant, F)
-    else:
-        inner = b.binary("Sub", "dy_minus_proj", dy_minus_xc_proj, b.per_channel("mean_dy_b", mean_dy, shape, F), F)
-    dx = b.cast("dx", b.binary("Mul", "dx_float", inner, b.per_channel("gain_b", gain, shape, F), F), F, T)
+    # gain * (dy - mean_dy - (x - mean) * proj), with x - mean = centred - shift, as
+    # dy * gain (taken before the all-reduce) - centred * (proj * gain) + gain * (shift * proj - mean_dy)
+    xc_gain = b.per_channel("xc_gain_b", b.binary("Mul", "xc_gain", proj, gain, F), shape, F)
+    dy_gain_minus_xc = b.binary("Sub", "dy_gain_minus_xc", dy_gain, b.binary("Mul", "xc_proj", centred, xc_gain, F), F)
+    offset = b.binary("Sub", "shift_proj_minus_mean_dy", b.binary("Mul", "shift_proj", shift, proj, F), mean_dy, F) if shift \
+        else b.unary("Neg", "minus_mean_dy", mean_dy, F)
+    constant = b.per_channel("constant_b", b.binary("Mul", "constant", offset, gain, F), shape, F)
+    dx = b.cast("dx", b.binary("AddV2", "dx_float", dy_gain_minus_xc, constant, F), F, T)
     dscale = b.cast("dscale_stat", b.binary("Mul", "dscale_float", sum_dy_xc, rstd, F), F, U)
     _replace(grad, b, dx, dscale, b.cast("doffset_stat", sum_dy, F, U), controls, site, ctx)
 
