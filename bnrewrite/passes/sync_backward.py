@@ -16,6 +16,8 @@ Why each path, with figures and float16 rounding: docs/performance.md ("Kernels 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from bnrewrite.collectives import all_reduce
@@ -76,20 +78,19 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     collective = ctx.plan.collective(ctx.layer, phase, ctx.tower)
     rstd_sq = b.binary("Mul", "rstd_sq", rstd, rstd, F)
     static = _static_total(ctx, phase)
-    if static is not None:
+    if static is None and counted is None:  # the all-reduce carries the counts
+        packed = b.concat("sums", [b.count("count", x, axes, T, F), sum_dy, sum_dy_xc], F)
+        reduce_name = all_reduce(b, "all_reduce", packed, F, collective)
+        total, (gsum_dy, gsum_dy_xc) = b.split_count("global", reduce_name, F)
+    else:
         reduce_name = all_reduce(b, "all_reduce", b.concat("sums", [sum_dy, sum_dy_xc], F), F, collective)
         gsum_dy, gsum_dy_xc = b.split_pairs("global", reduce_name, F)
+        total = b.cast("count", counted, U, F) if static is None else ""
+    if static is not None:  # products with 1/N, rstd^2/N taken before the all-reduce
         inverse = b.const("reciprocal_total", 1.0 / static, np.float32)
         mean_dy = b.binary("Mul", "mean_dy", gsum_dy, inverse, F)
         proj = b.binary("Mul", "projection", gsum_dy_xc, b.binary("Mul", "rstd_sq_per_example", rstd_sq, inverse, F), F)
     else:
-        if counted is not None:
-            reduce_name = all_reduce(b, "all_reduce", b.concat("sums", [sum_dy, sum_dy_xc], F), F, collective)
-            total, (gsum_dy, gsum_dy_xc) = b.cast("count", counted, U, F), b.split_pairs("global", reduce_name, F)
-        else:
-            packed = b.concat("sums", [b.count("count", x, axes, T, F), sum_dy, sum_dy_xc], F)
-            reduce_name = all_reduce(b, "all_reduce", packed, F, collective)
-            total, (gsum_dy, gsum_dy_xc) = b.split_count("global", reduce_name, F)
         mean_dy = b.binary("DivNoNan", "mean_dy", gsum_dy, total, F)
         proj = b.binary("DivNoNan", "projection", b.binary("Mul", "dy_xc_rstd_sq", gsum_dy_xc, rstd_sq, F), total, F)
     ctx.record.collectives.append(reduce_name)
@@ -158,8 +159,10 @@ def _replace(grad: str, b: Builder, dx: str, dscale: str, doffset: str, controls
 def _static_total(ctx: SiteContext, phase: int) -> int | None:
     """The layer's global count when static (bnrewrite.passes.sites.static_total), from the x
     and scale each copy's gradient `phase` reads."""
-    counts = layer_counts(ctx.graph, ctx, lambda copy: ctx.graph.node(copy.grads[phase - 1]).input[1:3] if len(copy.grads) >= phase else None)
-    return static_total(ctx.graph, ctx, counts)
+    def x_and_scale(copy: Site) -> Sequence[str] | None:
+        return ctx.graph.node(copy.grads[phase - 1]).input[1:3] if len(copy.grads) >= phase else None
+
+    return static_total(ctx, phase, layer_counts(ctx.graph, ctx, phase, x_and_scale))
 
 
 def _forward_count(graph: Graph, grad: str, site: Site) -> str | None:

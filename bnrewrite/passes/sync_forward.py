@@ -46,13 +46,13 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     b = ctx.builder(site.name, "sync_bn", node.device)
     T, U = site.dtype, site.stat_dtype
     small, deviations = passes_sized(ctx.graph, site, x), ""
-    counts = layer_counts(ctx.graph, ctx, lambda copy: ctx.graph.node(copy.name).input[:2])
+    counts = layer_counts(ctx.graph, ctx, 0, lambda copy: ctx.graph.node(copy.name).input[:2])
     count = counts[ctx.tower]
     if kernel_sized(ctx.graph, site, x):
         local = _kernel_moments(b, x, scale, offset, site, count)
     else:
         local, _, deviations = centred_moments(b, x, T, site.reduce_axes, site.channel_shape, keep_deviations=small, count=count)
-    moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower), static_total(ctx.graph, ctx, counts))
+    moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower), static_total(ctx, 0, counts))
     mean, var = moments.mean, moments.variance
     eps = b.const("epsilon", site.epsilon, np.float32)
     rstd = b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", var, eps, F), F)
