@@ -4,7 +4,9 @@ With x_hat = (x - mean) * rstd over the global batch of N examples,
     dx = scale * rstd * (dy - sum(dy)/N - x_hat * sum(dy * x_hat)/N),
 where both sums run over every tower: each tower sums dy and dy*(x - mean) locally, one
 all-reduce adds them, the rest is elementwise (six passes, or two fused inference-mode kernels
-where sync_forward took kernels; see bnrewrite.passes.sites). N comes from the forward through
+where sync_forward took kernels; see bnrewrite.passes.sites); dy * scale * rstd is taken
+before the all-reduce, so that the tower works while it waits. N is a constant when every
+copy's static shape tells its count (one worker); else it comes from the forward through
 reserve_space_3 (for FusedBatchNorm/V2 the all-reduce carries the counts). Where sync_forward
 normalized by passes, x - mean is its deviations minus the shift, and x is not read again.
 d(scale) and d(offset) stay tower-local (the graph's own averaging makes them exact) and wait
