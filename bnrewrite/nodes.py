@@ -67,11 +67,15 @@ ConstPool = dict[tuple[str, str, tuple[str, tuple[int, ...], bytes]], str]
 
 @dataclass
 class Shared:
-    """What the builders of one pass share: its constants, and the sum node of each local
-    all-reduce (its shared name -> the AddN every member adds its input to)."""
+    """What the builders of one pass share: its constants, the sum node of each local
+    all-reduce (its shared name -> the AddN every member adds its input to), and each layer's
+    static counts per tower ((layer, phase) -> tower -> count) and per sync group ((layer,
+    phase, members) -> total), see bnrewrite.passes.sites."""
 
     consts: ConstPool = field(default_factory=dict)
     sums: dict[str, str] = field(default_factory=dict)
+    counts: dict[tuple[int, int], dict[str, int | None]] = field(default_factory=dict)
+    totals: dict[tuple[int, int, tuple[str, ...]], int | None] = field(default_factory=dict)
 
 
 def _body_of(scope: str) -> str:
@@ -163,9 +167,8 @@ class Builder:
 
     def split_pairs(self, name: str, packed: str, dtype: int) -> list[str]:
         """[a_1..a_C, b_1..b_C] -> [a, b]."""
-        matrix = self.reshape(f"{name}/pairs", packed, self.const(f"{name}/pairs_shape", [2, -1]), dtype)
-        unpack = self.node("Unpack", f"{name}/unpack", [matrix], T=DType(dtype), num=2, axis=0)
-        return [unpack, f"{unpack}:1"]
+        halves = self.node("Split", f"{name}/halves", [self.const(f"{name}/axis", 0), packed], T=DType(dtype), num_split=2)
+        return [halves, f"{halves}:1"]
 
     def per_channel(self, name: str, vector: str, shape: Sequence[int], dtype: int) -> str:
         """A [C] vector reshaped to `shape` to line up with the data; as it is when `shape` is

@@ -3,7 +3,8 @@
 Each tower reduces its slice to (n, n*m, M2 + n*m^2) per channel, where m and M2 are the
 local mean and sum of squared deviations computed around m. One all-reduce in float64
 sums them; mean = S/N and M2 = SS - S*mean: Chan's parallel combine with the between-group
-term expanded. Because each M2_i is centred locally and the expansion runs in float64, the
+term expanded. When every tower's n is static the counts stay out of the all-reduce: mean =
+S/N and variance = SS/N - mean^2 with N a constant. Because each M2_i is centred locally and the expansion runs in float64, the
 cancellation stays far below float32 rounding; what remains is each local mean's own float32
 error, so at a very large |mean|/std the variance is a little further from float64 than
 TensorFlow's one-device op (figures: docs/performance.md, "Numerics").
@@ -42,7 +43,7 @@ class Moments:
 
 
 def centred_moments(b: Builder, x: str, dtype: int, axes: list[int], broadcast: list[int] | None,
-                    keep_deviations: bool = False) -> tuple[Local, str, str]:
+                    keep_deviations: bool = False, count: int | None = None) -> tuple[Local, str, str]:
     """This tower's moments of x over `axes` by elementwise passes: a sum, then the squared
     deviations from the local mean, summed; also returns the local sum, and with
     `keep_deviations` the deviations themselves (float32, x's shape: a Sub, for sync_forward
@@ -53,14 +54,19 @@ def centred_moments(b: Builder, x: str, dtype: int, axes: list[int], broadcast: 
     `broadcast` is, for a per-channel reduction (fused sites), the shape that lines a [C]
     vector up with x, empty when it lines up as it is (channels last): sums then come out
     flat. None keeps the reduced dimensions (moments sites; the local sum has the shape of a
-    keep_dims moment) and flattens afterwards.
+    keep_dims moment) and flattens afterwards. `count`, the number of elements reduced per
+    channel when x's static shape tells it, makes the count and its reciprocal constants.
     """
     axes_const = b.const("axes", axes)
     xf = b.cast("x_float", x, dtype, F)
-    n = b.count("count", x, axes_const, dtype, D)
     keep_dims = broadcast is None
     local_sum = b.reduce_sum("local_sum", xf, axes_const, F, keep_dims)
-    local_mean = b.binary("DivNoNan", "local_mean", local_sum, b.cast("count_float", n, D, F), F)
+    if count is None:
+        n = b.count("count", x, axes_const, dtype, D)
+        local_mean = b.binary("DivNoNan", "local_mean", local_sum, b.cast("count_float", n, D, F), F)
+    else:
+        n = b.const("count", [float(count)], np.float64)
+        local_mean = b.binary("Mul", "local_mean", local_sum, b.const("reciprocal_count", 1.0 / max(count, 1), np.float32), F)
     centre = local_mean if keep_dims else b.per_channel("local_mean_b", local_mean, broadcast, F)
     if keep_deviations:
         deviations = b.binary("Sub", "deviations", xf, centre, F)
@@ -75,22 +81,34 @@ def centred_moments(b: Builder, x: str, dtype: int, axes: list[int], broadcast: 
     return Local(n, local_mean, b.cast("local_m2_64", m2, F, D)), local_sum, deviations
 
 
-def global_moments(b: Builder, local: Local, key: Collective) -> Moments:
-    """The global moments from every tower's `local` ones, by one all-reduce."""
+def global_moments(b: Builder, local: Local, key: Collective, total: int | None = None) -> Moments:
+    """The global moments from every tower's `local` ones, by one all-reduce. `total`, the
+    global count when every member's is static (see bnrewrite.passes.sites.static_total), keeps
+    the count out of the all-reduce and turns the divisions into products with constants."""
     n, m64 = local.count, b.cast("local_mean64", local.mean, F, D)
     s = b.binary("Mul", "sum64", n, m64, D)
     ss = b.binary("AddV2", "sumsq64", local.m2, b.binary("Mul", "mean_sq64", s, m64, D), D)
+    if total is not None:
+        reduced = all_reduce(b, "all_reduce", b.concat("moments", [s, ss], D), D, key)
+        scaled = b.binary("Mul", "global_means64", reduced, b.const("reciprocal_total64", 1.0 / total, np.float64), D)
+        mean64, mean_sq64 = b.split_pairs("global", scaled, D)
+        # E[x^2] - E[x]^2 in float64: at |mean|/std = 1000 it keeps ~1e-10 of the variance
+        m2_raw = b.binary("Sub", "variance_raw64", mean_sq64, b.unary("Square", "mean_squared64", mean64, D), D)
+        variance = b.cast("variance", b.binary("Maximum", "variance64", m2_raw, b.const("zero64", 0.0, np.float64), D), D, F)
+        bessel = b.const("bessel", total / (total - 1.0), np.float32)
+        return Moments(collective=reduced, count=b.const("total64", [float(total)], np.float64), mean=b.cast("mean", mean64, D, F),
+                       variance=variance, variance_unbiased=b.binary("Mul", "variance_unbiased", variance, bessel, F))
     reduced = all_reduce(b, "all_reduce", b.concat("moments", [n, s, ss], D), D, key)
 
-    total, (gsum, gsumsq) = b.split_count("global", reduced, D)
-    mean64 = b.binary("DivNoNan", "mean64", gsum, total, D)
+    total_count, (gsum, gsumsq) = b.split_count("global", reduced, D)
+    mean64 = b.binary("DivNoNan", "mean64", gsum, total_count, D)
     m2_raw = b.binary("Sub", "m2_raw", gsumsq, b.binary("Mul", "sum_mean", gsum, mean64, D), D)
     m2g = b.binary("Maximum", "m2", m2_raw, b.const("zero64", 0.0, np.float64), D)  # rounding can leave -1e-16
-    bessel = b.binary("Sub", "count_minus_one", total, b.const("one64", 1.0, np.float64), D)
+    bessel = b.binary("Sub", "count_minus_one", total_count, b.const("one64", 1.0, np.float64), D)
     return Moments(
         collective=reduced,
-        count=total,
+        count=total_count,
         mean=b.cast("mean", mean64, D, F),
-        variance=b.cast("variance", b.binary("DivNoNan", "variance64", m2g, total, D), D, F),
+        variance=b.cast("variance", b.binary("DivNoNan", "variance64", m2g, total_count, D), D, F),
         variance_unbiased=b.cast("variance_unbiased", b.binary("DivNoNan", "variance_unbiased64", m2g, bessel, D), D, F),
     )

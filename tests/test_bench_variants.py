@@ -22,13 +22,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from bench_step import Trainer, make_batches  # noqa: E402
 from nccl_on_cpu import nccl_to_cpu  # noqa: E402
-from step_variants import Size, Variant, build_variants  # noqa: E402
+from step_variants import Size, Variant, build_variants, comparable  # noqa: E402
 
 TOWERS = 2
 SIZE = Size(layers=2, channels=8, image=8, batch=2)
 STEPS = 2
-SYNCED = ("bnrewrite", "bnrewrite_collective", "model_sync", "keras_sync")
-FLOORS = ("floor", "floor_gated", "floor_collective")
+SYNCED = ("bnrewrite", "bnrewrite_collective", "bnrewrite_graphdef", "bnrewrite_graphdef_collective", "model_sync",
+          "keras_sync")
+FLOORS = ("floor", "floor_gated", "floor_collective", "floor_gated_collective")
 #: tf_keras's synchronized layer updates the moving variance with the biased batch variance
 #: (the fused op, and so the other variants, with the Bessel-corrected one): it is left out of
 #: the comparison of that variant's moving variances.
@@ -115,6 +116,19 @@ def test_synced_variants_train_alike(trained_on_cpu, name):
     skip = "moving_variance" if name in BIASED_MOVING_VARIANCE else "^$"
     assert difference(trained_on_cpu["bnrewrite"], trained_on_cpu[name], skip) < 1e-5
     assert difference(trained_on_cpu["unsynced"], trained_on_cpu[name], skip) > 1e-2
+
+
+def test_bare_graph_def_gives_the_graph_a_tf_graph_gives():
+    """`bnrewrite convert x.pb` (a bare GraphDef: shapes inferred) and `rewrite_graph(tf.Graph)`
+    (shapes recorded) write the same graph (step_variants.comparable), at the benchmark's
+    sizes with either backend."""
+    for size in (SIZE, Size(layers=2, channels=32, image=16, batch=8)):
+        built = {v.name: comparable(v.graph_def) for v in build_variants(
+            ["bnrewrite", "bnrewrite_graphdef", "bnrewrite_collective", "bnrewrite_graphdef_collective"], TOWERS, size,
+            "float32", "cpu")}
+        assert built["bnrewrite"] == built["bnrewrite_graphdef"], size
+        assert built["bnrewrite_collective"] == built["bnrewrite_graphdef_collective"], size
+        assert built["bnrewrite"] != built["bnrewrite_collective"]
 
 
 def test_keras_moving_variance_is_biased(trained_on_cpu):

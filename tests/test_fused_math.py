@@ -208,12 +208,16 @@ def test_dx_is_stable_far_from_zero(path):
     assert error(unsynced) > 1e-2
 
 
+@pytest.mark.parametrize("batch", ["static", "unknown"])
 @pytest.mark.parametrize("op", ["FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"])
-def test_every_fused_op_version(op, path):
-    """FusedBatchNorm and V2 have no reserve_space_3, so their gradients' all-reduce carries the
-    counts; V3 gets N from the forward pass. dx and the batch statistics match one device."""
+def test_every_fused_op_version(op, path, batch):
+    """With static shapes every tower's count is a constant and no all-reduce carries counts;
+    with an unknown batch size FusedBatchNorm and V2, which have no reserve_space_3, have
+    their gradients' all-reduce carry the counts, and V3 gets N from the forward pass (and
+    neither takes the kernels, which need a known size). dx and the batch statistics match
+    one device."""
     k, b = 2, 3
-    shape = (b, 4, 4, C)
+    shape = (b if batch == "static" else None, 4, 4, C)
     rng = np.random.default_rng(13)
     x = (rng.normal(size=(k * b, *shape[1:])) * 2 + np.repeat(np.arange(k), b)[:, None, None, None]).astype(np.float32)
     r = rng.normal(size=x.shape).astype(np.float32)
@@ -225,9 +229,12 @@ def test_every_fused_op_version(op, path):
     fetches = [f"tower_{i}/{n}:0" for i in range(k) for n in names]
     got = _run(result.graph_def, k, _split_feeds(k, x, r), fetches)
     payload = {n.name: len(n.input) - 1 for n in result.graph_def.node if n.op == "ConcatV2" and n.name.endswith("sync_bn_grad/sums")}
-    assert set(payload.values()) == ({2} if op == "FusedBatchNormV3" else {3}), payload  # [n,] sum dy, sum dy*xc
+    counted = batch == "unknown" and op != "FusedBatchNormV3"
+    assert set(payload.values()) == ({3} if counted else {2}), payload  # [n,] sum dy, sum dy*xc
+    forward = {len(n.input) - 1 for n in result.graph_def.node if n.op == "ConcatV2" and n.name.endswith("sync_bn/moments")}
+    assert forward == ({3} if batch == "unknown" else {2}), forward  # [n,] sum, sum of squares
     # The forward kernels serve every op version; the backward's need V3's count.
-    kernels = k if path == "kernels" else 0
+    kernels = k if path == "kernels" and batch == "static" else 0
     assert (len(kernel_moments(result.graph_def)), len(kernel_gradients(result.graph_def))) == (
         kernels, kernels if op == "FusedBatchNormV3" else 0)
     unsynced = _run(graph, k, _split_feeds(k, x, r), fetches)

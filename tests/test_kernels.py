@@ -59,7 +59,7 @@ def test_otherwise_the_elementwise_passes(why, graph):
     result = rewrite_graph(graph())
     assert not kernel_moments(result.graph_def) and not kernel_gradients(result.graph_def), why
     names = {n.name.rsplit("/", 1)[-1] for n in result.graph_def.node}
-    assert {"local_m2", "dy_minus_proj"} <= names, why
+    assert {"local_m2", "dy_gain_minus_xc"} <= names, why
 
 
 @pytest.mark.parametrize("why, graph", [

@@ -2,7 +2,8 @@
 
     python tools/bench_step.py [--towers 4] [--sizes default,large] [--dtypes float32,float16]
                                [--variants unsynced,bnrewrite,model_sync,keras_sync,floor,floor_gated,
-                                           bnrewrite_collective,floor_collective]
+                                           bnrewrite_collective,floor_collective,floor_gated_collective,
+                                           bnrewrite_graphdef,bnrewrite_graphdef_collective]
                                [--steps 30] [--warmup 5] [--block 2] [--traces 6] [--quick]
 
 One process, K virtual CPU devices (`device_count={"CPU": K}`), one tower per device, the
@@ -11,8 +12,10 @@ backend it picks (local here), model-code sync BN as tensorpack writes it (Colle
 model code cannot sum every tower's input in one op), tf_keras's synchronized layer under
 MirroredStrategy, the floor: the unsynced graph plus bnrewrite's all-reduces with unused
 results, the gated floor: the same with each batch-norm op waiting for its all-reduce (the
-towers meet at every layer as synced ones must, with no arithmetic added), and bnrewrite and
-its floor with CollectiveReduceV2, like for like with the model code) are fed the same batches and timed in alternating blocks of steps, so they share the
+towers meet at every layer as synced ones must, with no arithmetic added), bnrewrite and both
+floors with CollectiveReduceV2, like for like with the model code, and bnrewrite given a bare
+GraphDef (as `bnrewrite convert x.pb` reads it) rather than a tf.Graph, with either backend)
+are fed the same batches and timed in alternating blocks of steps, so they share the
 machine's load: median wall time per step, and the process's CPU time per step (the steadier
 figure when other processes share the cores). Ratios and differences between variants (the
 "× unsynced" columns and the goal lines) are taken block by block and their median reported:
@@ -56,16 +59,23 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from step_variants import VARIANTS, Size, Variant, build_variants  # noqa: E402
+from step_variants import VARIANTS, Size, Variant, build_variants, comparable  # noqa: E402
 
 tf1 = tf.compat.v1
 SIZES = {"default": Size(10, 32, 16, 8), "large": Size(10, 64, 32, 16), "gpu": Size(20, 64, 32, 32)}
 DTYPES = ("float32", "float16")
 MIB = 1 << 20
 #: bnrewrite with the backend it picks, and with CollectiveReduceV2 (what model code uses on
-#: CPUs), each beside the floor of its own all-reduces.
-PAIRS = (("bnrewrite", "floor"), ("bnrewrite_collective", "floor_collective"))
-#: Goals of project issue 14.
+#: CPUs), from a tf.Graph and from a bare GraphDef, each beside the floor of its own all-reduces.
+PAIRS = (("bnrewrite", "floor"), ("bnrewrite_graphdef", "floor"), ("bnrewrite_collective", "floor_collective"),
+         ("bnrewrite_graphdef_collective", "floor_collective"))
+#: Like for like: bnrewrite and model code on the same transport.
+SAME_TRANSPORT = ("bnrewrite_collective", "bnrewrite_graphdef_collective")
+#: The default path (backend auto), from a tf.Graph and from a bare GraphDef.
+DEFAULT_PATHS = ("bnrewrite", "bnrewrite_graphdef")
+#: The same rewrite from a tf.Graph and from a bare GraphDef: their graphs should be identical.
+SAME_REWRITE = (("bnrewrite", "bnrewrite_graphdef"), ("bnrewrite_collective", "bnrewrite_graphdef_collective"))
+#: Goals of project issues 14 and 29.
 FLOOR_SHARE_GOAL, STEP_RATIO_GOAL, PEAK_RATIO_GOAL = 0.5, 1.10, 1.05
 
 #: One global batch: (images, labels) per tower.
@@ -313,13 +323,22 @@ def goal_lines(label: str, measured: dict[str, Measured], default_size: bool) ->
                 theirs = paired(measured["model_sync"], measured[floor], clock, False)
                 lines.append(f"{label}, {clock} time: {mine} − {floor} = {ours * 1e3:.1f} ms ≤ ½ (model-code − {floor}) = "
                              f"{theirs * 500:.1f} ms: {ok(ours <= FLOOR_SHARE_GOAL * theirs)}")
-        if default_size and {"bnrewrite", "unsynced"} <= ok_names:
-            ratio = paired(measured["bnrewrite"], measured["unsynced"], clock, True)
-            gated = (f" (floor_gated, the towers meeting at every layer with no arithmetic: "
-                     f"{paired(measured['floor_gated'], measured['unsynced'], clock, True):.3f})"
-                     if "floor_gated" in ok_names else "")
-            lines.append(f"{label}, {clock} time: synced / unsynced = {ratio:.3f} ≤ {STEP_RATIO_GOAL}: "
-                         f"{ok(ratio <= STEP_RATIO_GOAL)}{gated}")
+        for mine in SAME_TRANSPORT:
+            if {mine, "model_sync", "unsynced"} <= ok_names:
+                ours, theirs = (paired(measured[n], measured["unsynced"], clock, True) for n in (mine, "model_sync"))
+                gated = (f" (floor_gated_collective, meeting at every layer with no arithmetic: "
+                         f"{paired(measured['floor_gated_collective'], measured['unsynced'], clock, True):.3f})"
+                         if "floor_gated_collective" in ok_names else "")
+                lines.append(f"{label}, {clock} time: {mine} / unsynced = {ours:.3f} ≤ model-code / unsynced = "
+                             f"{theirs:.3f}: {ok(ours <= theirs)}{gated}")
+        for mine in DEFAULT_PATHS:
+            if default_size and {mine, "unsynced"} <= ok_names:
+                ratio = paired(measured[mine], measured["unsynced"], clock, True)
+                gated = (f" (floor_gated, the towers meeting at every layer with no arithmetic: "
+                         f"{paired(measured['floor_gated'], measured['unsynced'], clock, True):.3f})"
+                         if "floor_gated" in ok_names else "")
+                lines.append(f"{label}, {clock} time: {mine} / unsynced = {ratio:.3f} ≤ {STEP_RATIO_GOAL}: "
+                             f"{ok(ratio <= STEP_RATIO_GOAL)}{gated}")
     synced, base = measured.get("bnrewrite"), measured.get("unsynced")
     if synced and base and synced.traces and base.traces:
         peak, base_peak = synced.peak(), base.peak()
@@ -361,6 +380,10 @@ def run(args: argparse.Namespace, device: str, towers: int, where: str) -> None:
         size = SIZES[size_name]
         for dtype in args.dtypes.split(","):
             variants = build_variants(names, towers, size, dtype, device)
+            built = {v.name: comparable(v.graph_def) for v in variants if v.graph_def is not None}
+            for a, b in SAME_REWRITE:
+                if a in built and b in built:
+                    print(f"{b}: {'the same graph as' if built[a] == built[b] else 'NOT the same graph as'} {a}")
             measured = measure(variants, towers, size, args.steps, args.warmup, args.traces, args.block, device.upper())
             title = (f"{where}, {dtype}: {size}; median of {args.steps} steps after {args.warmup} warm-up, "
                      f"{args.traces} traced")

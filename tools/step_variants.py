@@ -16,8 +16,11 @@ the same batches:
 - `floor_gated`: the same, but each batch-norm op and gradient waits for its tower's result of
   its own all-reduce, as a synced layer must: the towers meet at every layer, forward and
   backward, with no arithmetic added: what synchronizing costs at the least;
-- `bnrewrite_collective`, `floor_collective`: the same with CollectiveReduceV2, the all-reduce
-  model code uses on CPUs: the like-for-like comparison of the arithmetic.
+- `bnrewrite_collective`, `floor_collective`, `floor_gated_collective`: the same with
+  CollectiveReduceV2, the all-reduce model code uses on CPUs: the like-for-like comparison of
+  the arithmetic;
+- `bnrewrite_graphdef`, `bnrewrite_graphdef_collective`: bnrewrite given the graph as a bare
+  GraphDef (no recorded shapes, as `bnrewrite convert x.pb` reads it) instead of a tf.Graph.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import model_sync_bn
 tf1 = tf.compat.v1
 
 VARIANTS = ("unsynced", "bnrewrite", "model_sync", "keras_sync", "floor", "floor_gated", "bnrewrite_collective",
-            "floor_collective")
+            "floor_collective", "floor_gated_collective", "bnrewrite_graphdef", "bnrewrite_graphdef_collective")
 #: Group key of the floor's all-reduces (bnrewrite uses 0x5B00, model code 0x7E00).
 FLOOR_GROUP_KEY = 0x7F00
 
@@ -74,19 +77,23 @@ def build_variants(names: list[str], towers: int, size: Size, dtype: str, device
     """The variants named, in that order."""
     from bnrewrite import rewrite_graph
 
-    # Static shapes recorded, as in a .meta or a tf.Graph: what lets the rewrite pick the fused
-    # kernels for large activations' backward.
     sizes = dict(channels=size.channels, image=size.image, batch=size.batch, device=device, dtype=dtype, shapes=True)
     plain = deep_net.build_graph_def(towers, size.layers, **sizes)
-    chosen = rewrite_graph(plain)
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.graph_util.import_graph_def(plain, name="")
+    chosen = rewrite_graph(graph)
     builders = {
         "unsynced": lambda: plain,
         "bnrewrite": lambda: chosen.graph_def,
         "model_sync": lambda: deep_net.build_graph_def(towers, size.layers, bn="model_sync", **sizes),
         "floor": lambda: floor_graph_def(plain, chosen.report.backend),
         "floor_gated": lambda: floor_graph_def(plain, chosen.report.backend, gated=True),
-        "bnrewrite_collective": lambda: rewrite_graph(plain, backend="collective").graph_def,
+        "bnrewrite_collective": lambda: rewrite_graph(graph, backend="collective").graph_def,
         "floor_collective": lambda: floor_graph_def(plain, "collective"),
+        "floor_gated_collective": lambda: floor_graph_def(plain, "collective", gated=True),
+        "bnrewrite_graphdef": lambda: rewrite_graph(bare_graph_def(plain)).graph_def,
+        "bnrewrite_graphdef_collective": lambda: rewrite_graph(bare_graph_def(plain), backend="collective").graph_def,
     }
     variants = []
     for name in names:
@@ -95,6 +102,28 @@ def build_variants(names: list[str], towers: int, size: Size, dtype: str, device
         else:
             variants.append(Variant(name, builders[name](), inputs=tower_inputs(towers)))
     return variants
+
+
+def bare_graph_def(graph_def: tf1.GraphDef) -> tf1.GraphDef:
+    """`graph_def` without its recorded shapes (`_output_shapes`), as a .pb written from
+    `graph.as_graph_def()` holds it."""
+    bare = tf1.GraphDef()
+    bare.CopyFrom(graph_def)
+    for node in bare.node:
+        if "_output_shapes" in node.attr:
+            del node.attr["_output_shapes"]
+    return bare
+
+
+def comparable(graph_def: tf1.GraphDef) -> bytes:
+    """`graph_def` as bytes that are equal for two rewrites of one model whatever form it came
+    in: without recorded shapes, and without the devices of colocated nodes (`_class`), which
+    importing into a tf.Graph sets to their colocation target's."""
+    bare = bare_graph_def(graph_def)
+    for node in bare.node:
+        if "_class" in node.attr:
+            node.device = ""
+    return bare.SerializeToString(deterministic=True)
 
 
 def floor_graph_def(graph_def: tf1.GraphDef, backend: str, gated: bool = False) -> tf1.GraphDef:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from bnrewrite.functions import in_body
 from bnrewrite.graph import Editor, Graph, tensor_name
@@ -117,3 +117,40 @@ def kernel_size_unknown(graph: Graph, site: Site) -> bool:
 
 def _kernel_kind(site: Site) -> bool:
     return site.dtype in KERNEL_DTYPES and site.data_format == "NHWC" and site.device.type == "CPU"
+
+
+def static_count(graph: Graph, x: str, scale: str) -> int | None:
+    """How many elements of `x` a fused batch norm reduces per channel (N*H*W), when the static
+    shapes of x and of its [C] `scale` tell (recorded or inferred: Graph.static_elements)."""
+    elements, channels = graph.static_elements(x), graph.static_elements(scale)
+    return elements // channels if elements is not None and channels else None
+
+
+def static_total(ctx: SiteContext, phase: int, counts: dict[str, int | None]) -> int | None:
+    """The global count of the sync group of `ctx.tower` for its layer in `phase`, from its
+    members' static counts (`counts`: tower -> static_count), when every member is in this
+    graph (one worker) and known, and above 1 (the unbiased variance divides by N - 1); else
+    None: the count then travels in the all-reduce. Worked out once per group in a pass."""
+    if ctx.plan.options.num_workers != 1:
+        return None
+    members = next(m for m in ctx.plan.sync_groups if ctx.tower in m)
+    key = (ctx.layer, phase, members)
+    if key not in ctx.shared.totals:
+        known = [counts.get(tower) for tower in members]
+        total = None if None in known else sum(known)  # type: ignore[arg-type]
+        ctx.shared.totals[key] = total if total is not None and total > 1 else None
+    return ctx.shared.totals[key]
+
+
+def layer_counts(graph: Graph, ctx: SiteContext, phase: int, x_and_scale: Callable[[Site], Sequence[str] | None]) -> dict[str, int | None]:
+    """Tower -> static_count of each copy of ctx's layer (fused sites) in `phase` (0 forward, j+1
+    gradient j), of the x and scale tensors that `x_and_scale` picks from the copy's site (None:
+    the copy has none); worked out once per layer and phase in a pass."""
+    key = (ctx.layer, phase)
+    counts = ctx.shared.counts.get(key)
+    if counts is None:
+        counts = ctx.shared.counts[key] = {}
+        for tower, site in zip(ctx.plan.towers.ids, ctx.plan.groups[ctx.layer].sites):
+            picked = x_and_scale(site)
+            counts[tower] = static_count(graph, *picked) if picked else None
+    return counts

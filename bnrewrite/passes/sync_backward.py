@@ -4,7 +4,9 @@ With x_hat = (x - mean) * rstd over the global batch of N examples,
     dx = scale * rstd * (dy - sum(dy)/N - x_hat * sum(dy * x_hat)/N),
 where both sums run over every tower: each tower sums dy and dy*(x - mean) locally, one
 all-reduce adds them, the rest is elementwise (six passes, or two fused inference-mode kernels
-where sync_forward took kernels; see bnrewrite.passes.sites). N comes from the forward through
+where sync_forward took kernels; see bnrewrite.passes.sites); dy * scale * rstd is taken
+before the all-reduce, so that the tower works while it waits. N is a constant when every
+copy's static shape tells its count (one worker); else it comes from the forward through
 reserve_space_3 (for FusedBatchNorm/V2 the all-reduce carries the counts). Where sync_forward
 normalized by passes, x - mean is its deviations minus the shift, and x is not read again.
 d(scale) and d(offset) stay tower-local (the graph's own averaging makes them exact) and wait
@@ -16,6 +18,8 @@ Why each path, with figures and float16 rounding: docs/performance.md ("Kernels 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from bnrewrite.collectives import all_reduce
@@ -24,7 +28,8 @@ from bnrewrite.graph import Graph, parse_input
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_FLOAT, Builder, DType, identity_n
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sites import SiteContext, deviations, each_site, kernel_sized, statistics_node
+from bnrewrite.passes.sites import (SiteContext, deviations, each_site, kernel_sized, layer_counts, static_total,
+                                   statistics_node)
 from bnrewrite.plan import Plan
 
 F = DT_FLOAT
@@ -59,6 +64,8 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     dyf = b.cast("dy_float", dy, T, F)
     rstd = b.cast("rstd", saved_rstd, U, F)
     sum_dy = b.reduce_sum("sum_dy", dyf, axes, F, False)
+    gain = b.binary("Mul", "gain", b.cast("scale", scale, U, F), rstd, F)
+    dy_gain = b.binary("Mul", "dy_gain", dyf, b.per_channel("gain_b", gain, shape, F), F)
     from_forward = deviations(ctx.graph, site)
     if from_forward is None:
         mean = b.per_channel("mean_b", b.cast("mean", saved_mean, U, F), shape, F)
@@ -71,28 +78,33 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
         sum_dy_dev = b.reduce_sum("sum_dy_deviations", b.binary("Mul", "dy_deviations", dyf, centred, F), axes, F, False)
         sum_dy_xc = b.binary("Sub", "sum_dy_xc", sum_dy_dev, b.binary("Mul", "shift_sum_dy", shift, sum_dy, F), F)
     collective = ctx.plan.collective(ctx.layer, phase, ctx.tower)
-    if counted is not None:
-        reduce_name = all_reduce(b, "all_reduce", b.concat("sums", [sum_dy, sum_dy_xc], F), F, collective)
-        total, (gsum_dy, gsum_dy_xc) = b.cast("count", counted, U, F), b.split_pairs("global", reduce_name, F)
-    else:
+    rstd_sq = b.binary("Mul", "rstd_sq", rstd, rstd, F)
+    static = _static_total(ctx, phase)
+    if static is None and counted is None:  # the all-reduce carries the counts
         packed = b.concat("sums", [b.count("count", x, axes, T, F), sum_dy, sum_dy_xc], F)
         reduce_name = all_reduce(b, "all_reduce", packed, F, collective)
         total, (gsum_dy, gsum_dy_xc) = b.split_count("global", reduce_name, F)
+    else:
+        reduce_name = all_reduce(b, "all_reduce", b.concat("sums", [sum_dy, sum_dy_xc], F), F, collective)
+        gsum_dy, gsum_dy_xc = b.split_pairs("global", reduce_name, F)
+        total = b.cast("count", counted, U, F) if static is None else ""
+    if static is not None:  # products with 1/N, rstd^2/N taken before the all-reduce
+        inverse = b.const("reciprocal_total", 1.0 / static, np.float32)
+        mean_dy = b.binary("Mul", "mean_dy", gsum_dy, inverse, F)
+        proj = b.binary("Mul", "projection", gsum_dy_xc, b.binary("Mul", "rstd_sq_per_example", rstd_sq, inverse, F), F)
+    else:
+        mean_dy = b.binary("DivNoNan", "mean_dy", gsum_dy, total, F)
+        proj = b.binary("DivNoNan", "projection", b.binary("Mul", "dy_xc_rstd_sq", gsum_dy_xc, rstd_sq, F), total, F)
     ctx.record.collectives.append(reduce_name)
 
-    mean_dy = b.binary("DivNoNan", "mean_dy", gsum_dy, total, F)
-    rstd_sq = b.binary("Mul", "rstd_sq", rstd, rstd, F)
-    proj = b.binary("DivNoNan", "projection", b.binary("Mul", "dy_xc_rstd_sq", gsum_dy_xc, rstd_sq, F), total, F)
-    gain = b.binary("Mul", "gain", b.cast("scale", scale, U, F), rstd, F)
-    # dy - mean_dy - (x - mean) * proj, with x - mean = centred - shift
-    xc_proj = b.binary("Mul", "xc_proj", centred, b.per_channel("projection_b", proj, shape, F), F)
-    dy_minus_xc_proj = b.binary("Sub", "dy_minus_xc_proj", dyf, xc_proj, F)
-    if shift:
-        constant = b.binary("Sub", "shift_proj_minus_mean_dy", b.binary("Mul", "shift_proj", shift, proj, F), mean_dy, F)
-        inner = b.binary("AddV2", "dy_minus_proj", dy_minus_xc_proj, constant, F)
-    else:
-        inner = b.binary("Sub", "dy_minus_proj", dy_minus_xc_proj, b.per_channel("mean_dy_b", mean_dy, shape, F), F)
-    dx = b.cast("dx", b.binary("Mul", "dx_float", inner, b.per_channel("gain_b", gain, shape, F), F), F, T)
+    # gain * (dy - mean_dy - (x - mean) * proj), with x - mean = centred - shift, as
+    # dy * gain (taken before the all-reduce) - centred * (proj * gain) + gain * (shift * proj - mean_dy)
+    xc_gain = b.per_channel("xc_gain_b", b.binary("Mul", "xc_gain", proj, gain, F), shape, F)
+    dy_gain_minus_xc = b.binary("Sub", "dy_gain_minus_xc", dy_gain, b.binary("Mul", "xc_proj", centred, xc_gain, F), F)
+    offset = b.binary("Sub", "shift_proj_minus_mean_dy", b.binary("Mul", "shift_proj", shift, proj, F), mean_dy, F) if shift \
+        else b.unary("Neg", "minus_mean_dy", mean_dy, F)
+    constant = b.per_channel("constant_b", b.binary("Mul", "constant", offset, gain, F), shape, F)
+    dx = b.cast("dx", b.binary("AddV2", "dx_float", dy_gain_minus_xc, constant, F), F, T)
     dscale = b.cast("dscale_stat", b.binary("Mul", "dscale_float", sum_dy_xc, rstd, F), F, U)
     _replace(grad, b, dx, dscale, b.cast("doffset_stat", sum_dy, F, U), controls, site, ctx)
 
@@ -116,9 +128,14 @@ def _rewrite_grad_with_kernels(grad: str, site: Site, ctx: SiteContext, phase: i
     gsum_dy, gsum_dy_xhat = b.split_pairs("global", reduce_name, F)
     minus_gain = b.unary("Neg", "minus_gain", b.binary("Mul", "gain", scale, rstd, F), F)
 
+    static = _static_total(ctx, phase)
+    inverse = b.const("reciprocal_total", 1.0 / static, np.float32) if static is not None else ""
+
     def correction_factor(name: str, global_sum: str) -> str:
         """-gain * the global mean that dx takes off."""
-        return b.binary("Mul", name, minus_gain, b.binary("DivNoNan", f"{name}/global_mean", global_sum, counted, F), F)
+        mean = (b.binary("Mul", f"{name}/global_mean", global_sum, inverse, F) if inverse
+                else b.binary("DivNoNan", f"{name}/global_mean", global_sum, counted, F))
+        return b.binary("Mul", name, minus_gain, mean, F)
 
     correction = b.node("FusedBatchNormV3", "correction", [
         x, correction_factor("correction_scale", gsum_dy_xhat), correction_factor("correction_offset", gsum_dy),
@@ -139,6 +156,15 @@ def _replace(grad: str, b: Builder, dx: str, dscale: str, doffset: str, controls
     outputs = [dx, b.node("Identity", "dscale", [dscale, after_dx], T=DType(U)), b.node("Identity", "doffset", [doffset, after_dx], T=DType(U))]
     empty = b.cast("empty", b.const("empty_float", np.zeros([0], np.float32), np.float32), F, U)
     ctx.editor.replace(identity_n(grad, outputs + [empty, empty] + controls, [T, U, U, U, U], b.device, ctx.key))
+
+
+def _static_total(ctx: SiteContext, phase: int) -> int | None:
+    """The layer's global count when static (bnrewrite.passes.sites.static_total), from the x
+    and scale each copy's gradient `phase` reads."""
+    def x_and_scale(copy: Site) -> Sequence[str] | None:
+        return ctx.graph.node(copy.grads[phase - 1]).input[1:3] if len(copy.grads) >= phase else None
+
+    return static_total(ctx, phase, layer_counts(ctx.graph, ctx, phase, x_and_scale))
 
 
 def _forward_count(graph: Graph, grad: str, site: Site) -> str | None:

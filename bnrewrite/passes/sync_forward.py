@@ -26,7 +26,8 @@ from bnrewrite.graph import Graph, tensor_name
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_DOUBLE, DT_FLOAT, MARK, Builder, DType, identity_n, set_attr
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sites import DEVIATIONS_ATTR, SiteContext, each_site, kernel_sized, passes_sized, statistics_node
+from bnrewrite.passes.sites import (DEVIATIONS_ATTR, SiteContext, each_site, kernel_sized, layer_counts, passes_sized,
+                                   static_total, statistics_node)
 from bnrewrite.plan import Plan
 from bnrewrite.statistics import Local, centred_moments, global_moments
 
@@ -45,11 +46,13 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     b = ctx.builder(site.name, "sync_bn", node.device)
     T, U = site.dtype, site.stat_dtype
     small, deviations = passes_sized(ctx.graph, site, x), ""
+    counts = layer_counts(ctx.graph, ctx, 0, lambda copy: ctx.graph.node(copy.name).input[:2])
+    count = counts[ctx.tower]
     if kernel_sized(ctx.graph, site, x):
-        local = _kernel_moments(b, x, scale, offset, site)
+        local = _kernel_moments(b, x, scale, offset, site, count)
     else:
-        local, _, deviations = centred_moments(b, x, T, site.reduce_axes, site.channel_shape, keep_deviations=small)
-    moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower))
+        local, _, deviations = centred_moments(b, x, T, site.reduce_axes, site.channel_shape, keep_deviations=small, count=count)
+    moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower), static_total(ctx, 0, counts))
     mean, var = moments.mean, moments.variance
     eps = b.const("epsilon", site.epsilon, np.float32)
     rstd = b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", var, eps, F), F)
@@ -122,14 +125,17 @@ def _move_statistics(ctx: SiteContext, site: str, inputs: list[str], dtype: int)
             ctx.editor.mutable(edge.consumer).input[edge.slot] = tensor_name(moved, output - 1)
 
 
-def _kernel_moments(b: Builder, x: str, scale: str, offset: str, site: Site) -> Local:
+def _kernel_moments(b: Builder, x: str, scale: str, offset: str, site: Site, count: int | None) -> Local:
     """The local moments from a training-mode FusedBatchNormV3 (channels last): M2 = n - 1
-    times its Bessel-corrected batch variance."""
+    times its Bessel-corrected batch variance; n is `count` when static."""
     empty = b.const("empty_float", np.zeros([0], np.float32), np.float32)
     local = b.node("FusedBatchNormV3", "local_moments", [x, scale, offset, empty, empty], epsilon=site.epsilon,
                    data_format="NHWC", is_training=True, exponential_avg_factor=1.0, T=DType(site.dtype), U=DType(F))
-    n = b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, DT_DOUBLE)
-    n_minus_one = b.binary("Sub", "count_minus_one", n, b.const("one64", 1.0, np.float64), DT_DOUBLE)
+    if count is None:
+        n = b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, DT_DOUBLE)
+        n_minus_one = b.binary("Sub", "count_minus_one", n, b.const("one64", 1.0, np.float64), DT_DOUBLE)
+    else:
+        n, n_minus_one = b.const("count", [float(count)], np.float64), b.const("count_minus_one", [count - 1.0], np.float64)
     m2 = b.binary("Mul", "local_m2_64", b.cast("local_variance64", f"{local}:2", F, DT_DOUBLE), n_minus_one, DT_DOUBLE)
     return Local(n, f"{local}:1", m2)
 
