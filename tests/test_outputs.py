@@ -19,7 +19,7 @@ import pytest
 from model_files import cached_models, tree_snapshot
 
 from bnrewrite import cli, io
-from bnrewrite.errors import InputFormatError, OutputError, PassError
+from bnrewrite.errors import GraphValidationError, OutputError, PassError
 from bnrewrite.io import staging
 from bnrewrite.io.staging import OLD_PREFIX, TEMP_PREFIX
 
@@ -196,7 +196,8 @@ def test_unreadable_file_inside_a_saved_model_is_an_input_error(model_copy, tmp_
 def test_verify_says_which_graph_fails(files):
     """An Add of shapes [2] and [3] beside the towers (TensorFlow's shape inference rejects it;
     the rewrite does not infer shapes there and copies it): the rewritten graph does not
-    import, and neither does the input; the message says both, with the input's own error."""
+    import, and neither does the input: the input is malformed, and the message gives its own
+    error. convert's check and --verify alike; a rewrite that breaks a graph is a PassError."""
     import tensorflow as tf
 
     model = io.load(files.pb)
@@ -208,13 +209,15 @@ def test_verify_says_which_graph_fails(files):
     stray = graph_def.node.add(name="stray", op="AddV2", input=["two", "three"])
     stray.attr["T"].type = tf.float32.as_datatype_enum
     rewrite = io.rewrite(model)
-    with pytest.raises(InputFormatError, match=r"the rewritten graph does not import into TensorFlow, and neither "
-                                               r"does the input graph itself \(.*stray.*\); fix or re-export the input"):
-        io.verify(rewrite)
+    for check in (io.check_imports, io.verify):
+        with pytest.raises(GraphValidationError, match=r"the input graph does not import into TensorFlow \(.*stray.*\); "
+                                                       r"the rewrite keeps that node as it is: fix or re-export the input"):
+            check(rewrite)
     fresh = io.rewrite(io.load(files.pb))  # the input imports; its rewrite, given a dangling input, does not
     fresh.outcomes[0].result.graph_def.node[0].input.append("no_such_node")
-    with pytest.raises(PassError, match=r"the rewritten graph does not import into TensorFlow \(.*no_such_node"):
-        io.verify(fresh)
+    for check in (io.check_imports, io.verify):
+        with pytest.raises(PassError, match=r"the rewritten graph does not import into TensorFlow \(.*no_such_node"):
+            check(fresh)
 
 
 # ---------------------------------------------------------------------------
