@@ -5,9 +5,10 @@ local mean and sum of squared deviations computed around m. One all-reduce in fl
 sums them; mean = S/N and M2 = SS - S*mean: Chan's parallel combine with the between-group
 term expanded. When every tower's n is static the counts stay out of the all-reduce: mean =
 S/N and variance = SS/N - mean^2 with N a constant. Because each M2_i is centred locally and
-the expansion runs in float64, the cancellation stays far below float32 rounding; what remains is each local mean's own float32
-error, so at a very large |mean|/std the variance is a little further from float64 than
-TensorFlow's one-device op (figures: docs/performance.md, "Numerics").
+the expansion runs in float64, the cancellation stays far below float32 rounding; what
+remains is each local mean's own float32 error, so at a very large |mean|/std the variance is
+a little further from float64 than TensorFlow's one-device op (figures: docs/performance.md,
+"Numerics").
 """
 
 from __future__ import annotations
