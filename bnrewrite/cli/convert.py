@@ -48,7 +48,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
     chosen = io.select(model, tag_sets)
     io.output_entries(model, args.format or model.format, chosen)
     rewrite = io.rewrite(model, tag_sets, **rewrite_keywords(args))
-    io.check_imports(rewrite)
     result = io.as_format(rewrite.model, args.format or model.format, chosen)
     verified = 0
     if args.verify:

@@ -35,9 +35,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         idle_ok = model.is_saved_model and tag_sets is None
         try:
             single = io.Model(model.path, model.format, [entry], model.saved_model, model.graph_file)
-            rewrite = io.rewrite(single, None, keep_idle=idle_ok, if_rewritten="keep", **rewrite_keywords(args))
-            io.check_imports(rewrite)
-            outcome = rewrite.outcomes[0]
+            outcome = io.rewrite(single, None, keep_idle=idle_ok, if_rewritten="keep", **rewrite_keywords(args)).outcomes[0]
         except BnRewriteError as exc:
             failure = failure or exc
             if not args.json:

@@ -8,7 +8,7 @@ Protocol buffers are parsed and written only in this package:
 - `convert`: rewriting a model MetaGraph by MetaGraph (--tags), signatures kept resolving
 - `save`: output formats, serialising, staging a SavedModel directory
 - `staging`: what may be replaced, and all-or-nothing writes (staged beside the targets, committed with rollback)
-- `verify`: TensorFlow's import of each rewritten graph (always; --verify as a user imports it)
+- `verify`: TensorFlow's import of a graph (in C++ for every graph rewritten; --verify as a user imports it)
 """
 
 from bnrewrite.io.convert import located, meta_references, nothing_rewritten, parse_tags, rewrite, select
@@ -17,11 +17,11 @@ from bnrewrite.io.model import DESCRIPTIONS, FORMATS, Entry, Model, Outcome, Rew
 from bnrewrite.io.save import as_format, model_tree, output_entries, serialize, stage_model
 from bnrewrite.io.sniff import parse_bytes
 from bnrewrite.io.staging import FILE, LOGDIR, SAVED_MODEL, Outputs, check_output, clear_leftovers, same_or_nested
-from bnrewrite.io.verify import check_imports, import_check, verify
+from bnrewrite.io.verify import import_check, verify
 
 __all__ = [
     "DESCRIPTIONS", "FILE", "FORMATS", "LOGDIR", "SAVED_MODEL", "Entry", "Model", "Outcome", "Outputs", "Rewrite",
-    "as_format", "check_imports", "check_input", "check_output", "clear_leftovers", "import_check", "load", "located", "make_model", "meta_references",
+    "as_format", "check_input", "check_output", "clear_leftovers", "import_check", "load", "located", "make_model", "meta_references",
     "model_tree", "nothing_rewritten", "output_entries", "parse_bytes", "parse_tags", "rewrite", "same_or_nested",
     "select", "serialize", "stage_model", "validate", "verify",
 ]

@@ -15,6 +15,7 @@ from bnrewrite.errors import (
     NoBatchNormError,
 )
 from bnrewrite.io.model import Entry, Model, Outcome, Rewrite, protos, shown
+from bnrewrite.io.verify import loads
 from bnrewrite.report import Report
 
 #: Errors that, when rewriting every MetaGraph of a SavedModel, only mean "nothing to do here".
@@ -58,8 +59,10 @@ def rewrite(model: Model, tag_sets: list[frozenset[str]] | None = None, *, keep_
             **options: Any) -> Rewrite:
     """Rewrite the selected entries of `model` with `bnrewrite.rewrite_graph(**options)`.
 
-    Entries with nothing to synchronize (inference only, no batch norm) are kept unchanged
-    when `keep_idle`; by default that is when every MetaGraph of a SavedModel is rewritten
+    Every entry rewritten must pass TensorFlow's own import (`bnrewrite.io.verify.loads`), else
+    GraphValidationError: the rewrite keeps most nodes as they are and would copy what
+    TensorFlow rejects into its output. Entries with nothing to synchronize (inference only,
+    no batch norm) are kept unchanged when `keep_idle`; by default that is when every MetaGraph of a SavedModel is rewritten
     (no tag sets given), and then if none is left, `nothing_rewritten` is raised.
     Every rewritten MetaGraph's signatures and saver must still name tensors that exist.
     """
@@ -70,6 +73,7 @@ def rewrite(model: Model, tag_sets: list[frozenset[str]] | None = None, *, keep_
         keep_idle = model.is_saved_model and tag_sets is None and len(model.entries) > 1
     outcomes: list[Outcome] = []
     for entry in select(model, tag_sets):
+        error = loads(entry)  # first: the graph TensorFlow builds is gone before the rewrite takes its memory
         try:
             result = rewrite_graph(entry.message, **options)
         except _NOTHING_TO_DO as exc:
@@ -79,6 +83,9 @@ def rewrite(model: Model, tag_sets: list[frozenset[str]] | None = None, *, keep_
             continue
         except BnRewriteError as exc:
             raise located(exc, model, entry) from None
+        if error is not None:
+            raise located(GraphValidationError(f"the graph does not import into TensorFlow ({error}); fix or re-export it"),
+                          model, entry) from None
         new = Entry(result.graph_def, result.meta_graph_def, entry.tags, entry.index)
         if new.meta_graph is not None:
             _check_references(entry.meta_graph, new.meta_graph, model, entry, result.report)

@@ -1,20 +1,18 @@
-"""Whether rewritten graphs import into TensorFlow, before anything is written.
+"""Whether graphs import into TensorFlow.
 
-Every `convert` (and `inspect`, which says what convert would do) runs TensorFlow's own graph
-import on each rewritten graph (`check_imports`: the C++ import alone, which checks op
-registrations, attrs, inputs, dtypes and every op's shape function without making Python
-objects). `--verify` also imports each one as a user would (`tf.compat.v1.import_meta_graph`
-with its collections, or `import_graph_def`). When a rewritten graph does not import, the
-input is tried too: if it does not import either, the input is malformed (what the rewrite
-copied unchanged); if it does, the rewrite broke it.
+`loads` is TensorFlow's own graph import in C++ alone (op registrations, attrs, inputs, dtypes,
+every op's shape function, without making Python objects): `convert` and `inspect` run it on
+every graph they rewrite (bnrewrite.io.convert.rewrite), so a graph TensorFlow rejects is an
+error naming TensorFlow's complaint rather than a rewrite that copies the bad node into its
+output. `--verify` (`verify`) imports each rewritten graph as a user would
+(`tf.compat.v1.import_meta_graph` with its collections, or `import_graph_def`) and tells a
+malformed input from a rewrite that broke it.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 from bnrewrite.errors import GraphValidationError, PassError
-from bnrewrite.io.model import Entry, Outcome, Rewrite, one_line
+from bnrewrite.io.model import Entry, Rewrite, one_line
 
 
 def loads(entry: Entry) -> str | None:
@@ -51,34 +49,23 @@ def import_check(entry: Entry) -> str | None:
     return None
 
 
-def check_imports(rewrite: Rewrite) -> None:
-    """Every rewritten graph of `rewrite` passes TensorFlow's C++ import (`loads`); raises
-    GraphValidationError when the input does not pass it either, else PassError."""
-    for outcome in rewrite.outcomes:
-        _check(outcome, loads)
-
-
 def verify(rewrite: Rewrite) -> int:
-    """Import every rewritten graph into TensorFlow as a user would (`import_check`); raises as
-    check_imports does. Returns how many were checked."""
+    """Import every rewritten graph into TensorFlow as a user would (`import_check`). Raises
+    GraphValidationError when one does not import and neither does its input, PassError when
+    the input does. Returns how many were checked."""
     checked = 0
     for outcome in rewrite.outcomes:
-        checked += _check(outcome, import_check)
+        if outcome.result is None:
+            continue
+        error = import_check(outcome.result)
+        if error is not None:
+            where = f"MetaGraph {outcome.entry.label}: " if outcome.entry.tags is not None else ""
+            own = import_check(outcome.entry)
+            if own is not None:
+                raise GraphValidationError(
+                    f"{where}the rewritten graph does not import into TensorFlow, and neither does the input graph "
+                    f"itself ({own}); fix or re-export the input")
+            raise PassError(f"{where}the rewritten graph does not import into TensorFlow ({error}); nothing was written "
+                            "(a bnrewrite bug: please report it)")
+        checked += 1
     return checked
-
-
-def _check(outcome: Outcome, imports: Callable[[Entry], str | None]) -> bool:
-    """Whether there was a rewritten graph to check; raises when it does not import."""
-    if outcome.result is None:
-        return False
-    error = imports(outcome.result)
-    if error is None:
-        return True
-    where = f"MetaGraph {outcome.entry.label}: " if outcome.entry.tags is not None else ""
-    own = imports(outcome.entry)
-    if own is not None:
-        raise GraphValidationError(
-            f"{where}the input graph does not import into TensorFlow ({own}); the rewrite keeps that node as it is: "
-            "fix or re-export the input")
-    raise PassError(f"{where}the rewritten graph does not import into TensorFlow ({error}); nothing was written "
-                    "(a bnrewrite bug: please report it)")
