@@ -12,6 +12,7 @@ a cost the rewrite's time budget has no room for): the shapes of ops other than 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from functools import cache
 from typing import Any, NamedTuple
@@ -117,13 +118,15 @@ _Arg = tuple[int, str, str, str, int, int, int, tuple[int, ...]]
 
 class _Types(NamedTuple):
     """The dtypes of an op's inputs (or outputs), one per tensor, compiled from its args for
-    _types_of: the same in every node (`fixed`), or set by one type attr (`attr`, with its
-    default, the dtypes for each value met memoized), or per arg."""
+    _types_of: the same in every node (`fixed`); or set by one type attr (`attr`, with its
+    default), or by type and number attrs (`keys`: (attr, is a number, default)), the dtypes
+    for each value met memoized; or read per arg (a type-list attr)."""
 
     fixed: tuple[int, ...] | None
     attr: str
     default: int
-    by_dtype: dict[int, tuple[int, ...]]
+    keys: tuple[tuple[str, bool, int], ...]
+    memo: dict[Any, tuple[int, ...]]
     args: tuple[_Arg, ...]
 
 
@@ -135,44 +138,78 @@ def _arg_types(args: Any, defaults: dict[str, Any]) -> _Types:
         compiled.append((arg.type, arg.type_attr, arg.number_attr, arg.type_list_attr, _REF if arg.is_ref else 0,
                          default.type if default is not None else 0, count.i if count is not None else 0,
                          tuple(default.list.type) if default is not None else ()))
-    if all(not (attr or number or listed) for _, attr, number, listed, *_ in compiled):
-        return _Types(_dtypes({}, compiled), "", 0, {}, ())
-    attrs = {attr for _, attr, number, listed, *_ in compiled if attr or number or listed}
-    if len(attrs) == 1 and all(not (number or listed) for _, _, number, listed, *_ in compiled):
-        attr = attrs.pop()
-        return _Types(None, attr, next(arg[5] for arg in compiled if arg[1] == attr), {}, tuple(compiled))
-    return _Types(None, "", 0, {}, tuple(compiled))
+    keys = {(attr, False, default): None for _, attr, _, _, _, default, _, _ in compiled if attr}
+    keys.update({(number, True, count): None for _, _, number, _, _, _, count, _ in compiled if number})
+    if not keys and not any(listed for _, _, _, listed, *_ in compiled):
+        return _Types(_dtypes(None, compiled, len(compiled)), "", 0, (), {}, ())  # type: ignore[arg-type]
+    if any(listed for _, _, _, listed, *_ in compiled):
+        return _Types(None, "", 0, (), {}, tuple(compiled))
+    if len(keys) == 1 and not next(iter(keys))[1]:
+        (attr, _, default), = keys
+        return _Types(None, attr, default, (), {}, tuple(compiled))
+    return _Types(None, "", 0, tuple(keys), {}, tuple(compiled))
 
 
-def _types_of(node: Any, types: _Types) -> tuple[int, ...]:
+def _types_of(node: Any, types: _Types, limit: int) -> "tuple[int, ...] | _Untold":
     """The dtypes, one per tensor, that args `types` (_arg_types) take or give in `node`: from
-    its attrs, else the OpDef's defaults; 0 for one that cannot be told."""
+    its attrs, else the OpDef's defaults; 0 for one that cannot be told. More than `limit`
+    tensors (an attr sizing an arg): _Untold, their number only."""
     if types.fixed is not None:
         return types.fixed
     attrs = node.attr
     if types.attr:
-        dtype = attrs[types.attr].type if types.attr in attrs else types.default
-        made = types.by_dtype.get(dtype)
-        if made is None:
-            made = types.by_dtype[dtype] = _dtypes(attrs, types.args)
-        return made
-    return _dtypes(attrs, types.args)
+        key: Any = attrs[types.attr].type if types.attr in attrs else types.default
+    elif types.keys:
+        key = tuple((attrs[name].i if number else attrs[name].type) if name in attrs else default
+                    for name, number, default in types.keys)
+    else:
+        return _dtypes(node, types.args, limit)
+    made = types.memo.get(key)
+    if made is None:
+        made = _dtypes(node, types.args, limit)
+        if type(made) is tuple:
+            types.memo[key] = made
+    return made
 
 
-def _dtypes(attrs: Any, args: Iterable[_Arg]) -> tuple[int, ...]:
-    """_types_of for args read one by one (`attrs`: a node's, or {} for a fixed signature)."""
-    out: list[int] = []
+class _Untold:
+    """The dtypes of more tensors than are worth listing (an attr sizing an arg, which a
+    NodeDef of a few bytes can set to millions): their number, each one's dtype untold (0)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> int:
+        return 0
+
+
+#: Output dtypes listed per producer: beyond, only their number is kept (_Untold).
+_LISTED = 256
+
+
+def _dtypes(node: Any, args: Iterable[_Arg], limit: int) -> "tuple[int, ...] | _Untold":
+    """_types_of for args read one by one (`node` None: args whose dtypes no attr sets)."""
+    attrs = node.attr if node is not None else {}
+    runs: list[tuple[int, int]] = []  # (dtype, count)
     for dtype, type_attr, number_attr, list_attr, ref, default, count, default_list in args:
         if list_attr:
             listed = attrs[list_attr].list.type if list_attr in attrs else default_list
-            out.extend(t + ref if 0 < t < _REF else 0 for t in listed)
+            runs.extend((t + ref if 0 < t < _REF else 0, 1) for t in listed)
             continue
         if type_attr:
             dtype = attrs[type_attr].type if type_attr in attrs else default
         if number_attr and number_attr in attrs:
             count = attrs[number_attr].i
-        out.extend([dtype + ref if 0 < dtype < _REF else 0] * (count if number_attr else 1))
-    return tuple(out)
+        runs.append((dtype + ref if 0 < dtype < _REF else 0, max(count, 0) if number_attr else 1))
+    total = sum(count for _, count in runs)
+    if total > limit:
+        return _Untold(min(total, sys.maxsize))
+    return tuple(dtype for dtype, count in runs for _ in range(count))
 
 
 def _check_compiled(node: Any, spec: _Spec) -> None:
@@ -212,15 +249,15 @@ def check_nodes(graph: Graph) -> None:
     output dtypes worked out once."""
     library = graph.library
     signatures = {f.signature.name: _signature(f.signature) for f in library.function} if library is not None else {}
-    gives: dict[str, tuple[int, ...] | None] = {}  # producer -> its output dtypes (None: unknown, even their count)
+    gives: dict[str, tuple[int, ...] | _Untold | None] = {}  # producer -> its output dtypes (None: not even their count)
     for node in graph:
         spec = _spec(node.op)
         if spec is not None:
             _check_compiled(node, spec)
-            takes = _types_of(node, spec.takes)
+            takes = spec.takes.fixed if spec.takes.fixed is not None else _types_of(node, spec.takes, len(node.input))
         elif node.op in signatures:
             signature = signatures[node.op]
-            takes = () if signature is None else _types_of(node, signature[0])
+            takes = () if signature is None else _types_of(node, signature[0], len(node.input))
         else:
             raise GraphValidationError(
                 f"node {node.name!r}: op {node.op!r} is neither a TensorFlow op nor a function of the graph's library "
@@ -282,14 +319,14 @@ def _signature(signature: Any) -> tuple[_Types, _Types] | None:
     return _arg_types(signature.input_arg, {}), _arg_types(signature.output_arg, {})
 
 
-def _gives(node: Any, signatures: dict[str, tuple[_Types, _Types] | None]) -> tuple[int, ...] | None:
+def _gives(node: Any, signatures: dict[str, tuple[_Types, _Types] | None]) -> tuple[int, ...] | _Untold | None:
     """The dtypes of `node`'s outputs (0 for one that cannot be told); None when not even their
     number is known (a function whose args are sized when it is called)."""
     spec = _spec(node.op)
     if spec is not None:
-        return _types_of(node, spec.gives)
+        return _types_of(node, spec.gives, _LISTED)
     signature = signatures.get(node.op)
-    return None if signature is None else _types_of(node, signature[1])
+    return None if signature is None else _types_of(node, signature[1], _LISTED)
 
 
 def _dtype_name(dtype: int) -> str:

@@ -229,6 +229,14 @@ def _float_into_resource(graph_def):
     next(n for n in graph_def.node if n.op == "VarIsInitializedOp").input[0] = relu.name
 
 
+def _huge_count(graph_def):
+    """An AddN whose N says 2**62 inputs (a few bytes asking for exabytes if listed)."""
+    relu = next(n for n in graph_def.node if n.op == "Relu")
+    add = graph_def.node.add(name="sum_of_many", op="AddN", input=[relu.name, relu.name])
+    add.attr["T"].type = tf.float32.as_datatype_enum
+    add.attr["N"].i = 2**62
+
+
 def _bn_input(slot, other):
     """Swap data input `slot` of the first forward (other < 0: of its gradient, with slot -other)."""
     def mutate(graph_def):
@@ -261,6 +269,7 @@ MALFORMED = [
     ("float_into_resource", _float_into_resource,
      r"\(VarIsInitializedOp\) input 0 reads '.*Relu:0' of float, where it takes resource$"),
     ("int32_into_relu", _untouched(_feed_int32), r"\(Relu\) input 0 reads 'ints:0' of int32, where it takes float$"),
+    ("count_of_2_62", _huge_count, r"'sum_of_many' \(AddN\) has 2 data inputs; AddN takes 4611686018427387904$"),
     ("task_abc", _device("/job:worker/task:abc/device:CPU:0"), "task 'abc' is not a number"),
     ("replica_x", _device("/replica:x/device:CPU:0"), "replica 'x' is not a number"),
 ]
