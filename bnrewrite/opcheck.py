@@ -131,23 +131,23 @@ class _Types(NamedTuple):
 
 
 def _arg_types(args: Any, defaults: dict[str, Any]) -> _Types:
-    compiled = []
-    for arg in args:
-        default = defaults.get(arg.type_attr or arg.type_list_attr)
-        count = defaults.get(arg.number_attr)
-        compiled.append((arg.type, arg.type_attr, arg.number_attr, arg.type_list_attr, _REF if arg.is_ref else 0,
-                         default.type if default is not None else 0, count.i if count is not None else 0,
-                         tuple(default.list.type) if default is not None else ()))
+    """Compile OpDef `args` (input_arg or output_arg) into _Types; `defaults`: attr -> default AttrValue."""
+    compiled = tuple(
+        (arg.type, arg.type_attr, arg.number_attr, arg.type_list_attr, _REF if arg.is_ref else 0,
+         default.type if default is not None else 0, count.i if count is not None else 0,
+         tuple(default.list.type) if default is not None else ())
+        for arg in args
+        for default, count in [(defaults.get(arg.type_attr or arg.type_list_attr), defaults.get(arg.number_attr))])
+    if any(listed for _, _, _, listed, *_ in compiled):
+        return _Types(None, "", 0, (), {}, compiled)
     keys = {(attr, False, default): None for _, attr, _, _, _, default, _, _ in compiled if attr}
     keys.update({(number, True, count): None for _, _, number, _, _, _, count, _ in compiled if number})
-    if not keys and not any(listed for _, _, _, listed, *_ in compiled):
+    if not keys:
         return _Types(_dtypes(None, compiled, len(compiled)), "", 0, (), {}, ())  # type: ignore[arg-type]
-    if any(listed for _, _, _, listed, *_ in compiled):
-        return _Types(None, "", 0, (), {}, tuple(compiled))
     if len(keys) == 1 and not next(iter(keys))[1]:
         (attr, _, default), = keys
-        return _Types(None, attr, default, (), {}, tuple(compiled))
-    return _Types(None, "", 0, tuple(keys), {}, tuple(compiled))
+        return _Types(None, attr, default, (), {}, compiled)
+    return _Types(None, "", 0, tuple(keys), {}, compiled)
 
 
 def _types_of(node: Any, types: _Types, limit: int) -> "tuple[int, ...] | _Untold":
