@@ -1,18 +1,19 @@
 """What TensorFlow's import would reject in a node, found from the op's registered OpDef
 without importing the graph: an op it does not know, attr values missing, of the wrong kind
 or an unknown or disallowed dtype or string, inputs out of order, too many or too few, or
-reading an output their producer does not have; and a fused batch norm whose static input
-shapes its shape function rejects.
+reading an output their producer does not have, or of a dtype they do not take; and a fused
+batch norm whose static input shapes its shape function rejects.
 
 The rewrite reads batch-norm attrs (epsilon, T, ...) to build new nodes and keeps every
 other node as it is, so a malformed node must be an error here, not an exception in a
-pass or an output TensorFlow cannot import. Not checked (the import's own work, at a cost
-the rewrite's time budget has no room for): the dtype each edge carries, and the shapes of
-ops other than batch norms.
+pass or an output TensorFlow cannot import. Not checked (the import's shape inference, at
+a cost the rewrite's time budget has no room for): the shapes of ops other than batch norms.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterable
 from functools import cache
 from typing import Any, NamedTuple
 
@@ -83,12 +84,10 @@ class _Spec(NamedTuple):
     into plain values (reading OpDef protos per node would cost more than the check)."""
 
     op_def: Any
-    inputs: int  # data inputs of the input args of a fixed size
-    sized: tuple[tuple[str, bool, int], ...]  # (attr, is a type list, default) of input args sized by an attr
-    outputs: int  # likewise for the output args
-    out_sized: tuple[tuple[str, bool, int], ...]
     #: (attr, required, its AttrValue field or None for a list, allowed strings, allowed dtypes, minimum)
     attrs: tuple[tuple[str, bool, str | None, frozenset[bytes], frozenset[int], int | None], ...]
+    takes: "_Types"  # the dtypes of its inputs (_arg_types): their count is the number of data inputs
+    gives: "_Types"  # likewise for its outputs
 
 
 _VALID_TYPES = frozenset(types_pb2.DataType.values()) - {types_pb2.DT_INVALID}
@@ -101,21 +100,116 @@ def _spec(op: str) -> _Spec | None:
         return None
     defaults = {a.name: a.default_value for a in op_def.attr if a.HasField("default_value")}
 
-    def sized(args: Any) -> tuple[tuple[str, bool, int], ...]:
-        return tuple(
-            (arg.number_attr, False, defaults[arg.number_attr].i if arg.number_attr in defaults else 0) if arg.number_attr
-            else (arg.type_list_attr, True,
-                  len(defaults[arg.type_list_attr].list.type) if arg.type_list_attr in defaults else 0)
-            for arg in args if arg.number_attr or arg.type_list_attr)
-
-    ins, outs = sized(op_def.input_arg), sized(op_def.output_arg)
     attrs = tuple(
         (a.name, a.name not in defaults, None if a.type.startswith("list(") else _KIND.get(a.type),
          frozenset(a.allowed_values.list.s) if a.type == "string" else frozenset(),
          (frozenset(a.allowed_values.list.type) or _VALID_TYPES) & _VALID_TYPES if a.type == "type" else frozenset(),
          a.minimum if a.type == "int" and a.has_minimum else None)
         for a in op_def.attr)
-    return _Spec(op_def, len(op_def.input_arg) - len(ins), ins, len(op_def.output_arg) - len(outs), outs, attrs)
+    return _Spec(op_def, attrs, _arg_types(op_def.input_arg, defaults), _arg_types(op_def.output_arg, defaults))
+
+
+_REF = 100  # DataType of a reference to dtype t: t + _REF (DT_FLOAT_REF = DT_FLOAT + 100)
+
+#: An OpDef arg, compiled: (fixed dtype, type attr, number attr, type-list attr, _REF for a
+#: reference else 0, default dtype, default count, default dtype list).
+_Arg = tuple[int, str, str, str, int, int, int, tuple[int, ...]]
+
+
+class _Types(NamedTuple):
+    """The dtypes of an op's inputs (or outputs), one per tensor, compiled from its args for
+    _types_of: the same in every node (`fixed`); or set by one type attr (`attr`, with its
+    default), or by type and number attrs (`keys`: (attr, is a number, default)), the dtypes
+    for each value met memoized; or read per arg (a type-list attr)."""
+
+    fixed: tuple[int, ...] | None
+    attr: str
+    default: int
+    keys: tuple[tuple[str, bool, int], ...]
+    memo: dict[Any, tuple[int, ...]]
+    args: tuple[_Arg, ...]
+
+
+def _arg_types(args: Any, defaults: dict[str, Any]) -> _Types:
+    """Compile OpDef `args` (input_arg or output_arg) into _Types; `defaults`: attr -> default AttrValue."""
+    compiled = tuple(
+        (arg.type, arg.type_attr, arg.number_attr, arg.type_list_attr, _REF if arg.is_ref else 0,
+         default.type if default is not None else 0, count.i if count is not None else 0,
+         tuple(default.list.type) if default is not None else ())
+        for arg in args
+        for default, count in [(defaults.get(arg.type_attr or arg.type_list_attr), defaults.get(arg.number_attr))])
+    if any(listed for _, _, _, listed, *_ in compiled):
+        return _Types(None, "", 0, (), {}, compiled)
+    keys = {(attr, False, default): None for _, attr, _, _, _, default, _, _ in compiled if attr}
+    keys.update({(number, True, count): None for _, _, number, _, _, _, count, _ in compiled if number})
+    if not keys:
+        return _Types(_dtypes(None, compiled, len(compiled)), "", 0, (), {}, ())  # type: ignore[arg-type]
+    if len(keys) == 1 and not next(iter(keys))[1]:
+        (attr, _, default), = keys
+        return _Types(None, attr, default, (), {}, compiled)
+    return _Types(None, "", 0, tuple(keys), {}, compiled)
+
+
+def _types_of(node: Any, types: _Types, limit: int) -> "tuple[int, ...] | _Untold":
+    """The dtypes, one per tensor, that args `types` (_arg_types) take or give in `node`: from
+    its attrs, else the OpDef's defaults; 0 for one that cannot be told. More than `limit`
+    tensors (an attr sizing an arg): _Untold, their number only."""
+    if types.fixed is not None:
+        return types.fixed
+    attrs = node.attr
+    if types.attr:
+        key: Any = attrs[types.attr].type if types.attr in attrs else types.default
+    elif types.keys:
+        key = tuple((attrs[name].i if number else attrs[name].type) if name in attrs else default
+                    for name, number, default in types.keys)
+    else:
+        return _dtypes(node, types.args, limit)
+    made = types.memo.get(key)
+    if made is None:
+        made = _dtypes(node, types.args, limit)
+        if type(made) is tuple:
+            types.memo[key] = made
+    return made
+
+
+class _Untold:
+    """The dtypes of more tensors than are worth listing (an attr sizing an arg, which a
+    NodeDef of a few bytes can set to millions): their number, each one's dtype untold (0)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> int:
+        return 0
+
+
+#: Output dtypes listed per producer: beyond, only their number is kept (_Untold).
+_LISTED = 256
+
+
+def _dtypes(node: Any, args: Iterable[_Arg], limit: int) -> "tuple[int, ...] | _Untold":
+    """_types_of for args read one by one (`node` None: args whose dtypes no attr sets)."""
+    attrs = node.attr if node is not None else {}
+    runs: list[tuple[int, int]] = []  # (dtype, count)
+    for dtype, type_attr, number_attr, list_attr, ref, default, count, default_list in args:
+        if list_attr:
+            listed = attrs[list_attr].list.type if list_attr in attrs else default_list
+            runs.extend((t + ref if 0 < t < _REF else 0, 1) for t in listed)
+            continue
+        if type_attr:
+            dtype = attrs[type_attr].type if type_attr in attrs else default
+        if number_attr and number_attr in attrs:
+            count = attrs[number_attr].i
+        runs.append((dtype + ref if 0 < dtype < _REF else 0, max(count, 0) if number_attr else 1))
+    total = sum(count for _, count in runs)
+    if total > limit:
+        return _Untold(min(total, sys.maxsize))
+    return tuple(dtype for dtype, count in runs for _ in range(count))
 
 
 def _check_compiled(node: Any, spec: _Spec) -> None:
@@ -144,68 +238,100 @@ def _check_colocation(graph: Graph, node: Any) -> None:
                 f"node {node.name!r} is to be colocated with {entry[5:].decode(errors='replace')!r}, which does not exist")
 
 
-def _count(node: Any, fixed: int, sized: tuple[tuple[str, bool, int], ...]) -> int:
-    """How many tensors args take: `fixed` plus those sized by an attr of `node` (or its default)."""
-    for name, is_list, default in sized:
-        if name not in node.attr:
-            fixed += default
-        else:
-            fixed += len(node.attr[name].list.type) if is_list else node.attr[name].i
-    return fixed
-
-
-_UNKNOWN = 1 << 62
-
-
 def check_nodes(graph: Graph) -> None:
-    """Raise GraphValidationError for the first node TensorFlow's import would reject for its
-    NodeDef alone, though the rewrite copies it unchanged: an op neither registered nor a
-    function of the graph's library, a data input after a control input, an input reading an
-    output its producer does not have (`x:999`), a number of data inputs or a missing or
-    ill-kinded attr its OpDef does not allow, a colocation with a node that does not exist.
-    Not checked: the dtypes an edge carries, and shapes (but see check_batch_norm_shapes). One pass over the nodes and edges; each op's OpDef
-    is compiled once and a producer's output count worked out once."""
+    """Raise GraphValidationError for the first node TensorFlow's import would reject though
+    the rewrite copies it unchanged: an op neither registered nor a function of the graph's
+    library, a missing or ill-kinded attr its OpDef does not allow, a data input after a
+    control input, an input reading an output its producer does not have (`x:999`) or of a
+    dtype it does not take, a number of data inputs its OpDef does not allow, a colocation
+    with a node that does not exist. Not checked: shapes (but see check_batch_norm_shapes).
+    One pass over the nodes and edges; each op's OpDef is compiled once and each producer's
+    output dtypes worked out once."""
     library = graph.library
-    functions = {f.signature.name for f in library.function} if library is not None else set()
-    counts: dict[str, int] = {}  # producer -> its output count (a large number when unknown)
+    signatures = {f.signature.name: _signature(f.signature) for f in library.function} if library is not None else {}
+    gives: dict[str, tuple[int, ...] | _Untold | None] = {}  # producer -> its output dtypes (None: not even their count)
     for node in graph:
         spec = _spec(node.op)
-        if spec is None and node.op not in functions:
+        if spec is not None:
+            _check_compiled(node, spec)
+            takes = spec.takes.fixed if spec.takes.fixed is not None else _types_of(node, spec.takes, len(node.input))
+        elif node.op in signatures:
+            signature = signatures[node.op]
+            takes = () if signature is None else _types_of(node, signature[0], len(node.input))
+        else:
             raise GraphValidationError(
                 f"node {node.name!r}: op {node.op!r} is neither a TensorFlow op nor a function of the graph's library "
                 "(a custom op? bnrewrite can only rewrite graphs TensorFlow imports)")
-        data, control = 0, False
+        data, control, known = 0, False, len(takes)
         for spec_ in node.input:
             if spec_.startswith("^"):
                 control = True
                 continue
             if control:
                 raise GraphValidationError(f"node {node.name!r}: data input {spec_!r} comes after a control input")
+            slot = data
             data += 1
             src, sep, index = spec_.rpartition(":")  # parse_input, inline: this runs once per edge
             if sep and index.isdigit():
                 output = int(index)
             else:
                 src, output = spec_, 0
-            count = counts.get(src)
-            if count is None:
+            made = gives.get(src, _NOT_YET)
+            if made is _NOT_YET:
                 if src not in graph:
                     continue
-                producer = graph.node(src)
-                known = _spec(producer.op)
-                count = counts[src] = _UNKNOWN if known is None else _count(producer, known.outputs, known.out_sized)
-            if output >= count:
+                made = gives[src] = _gives(graph.node(src), signatures)
+            if made is None:
+                continue
+            if output >= len(made):
+                count = len(made)
                 have = f"has {count} output{'s' if count != 1 else ''}" if count else "has no outputs"
                 raise GraphValidationError(f"node {node.name!r} reads {spec_!r}, but {src!r} ({graph.node(src).op}) {have}")
+            if slot < known and takes[slot] != made[output]:
+                _check_edge(node, slot, takes[slot], src, output, made[output])
         if "_class" in node.attr:
             _check_colocation(graph, node)
-        if spec is None:
-            continue
-        _check_compiled(node, spec)
-        expected = _count(node, spec.inputs, spec.sized) if spec.sized else spec.inputs
-        if data != expected:
+        if spec is not None and data != known:
             raise GraphValidationError(
-                f"node {node.name!r} ({node.op}) has {data} data input{'s' if data != 1 else ''}; {node.op} takes {expected}")
+                f"node {node.name!r} ({node.op}) has {data} data input{'s' if data != 1 else ''}; {node.op} takes {known}")
+
+
+_NOT_YET: Any = object()
+
+
+def _check_edge(node: Any, slot: int, expected: int, src: str, output: int, actual: int) -> None:
+    """Raise GraphValidationError when input `slot` of `node`, which takes dtype `expected`,
+    reads `src:output` of another dtype, `actual`, and TensorFlow's import would refuse it: it
+    passes a reference feeding an input of its base dtype (read through it), never a value
+    feeding a reference input; nor is refused an edge of a dtype that cannot be told (0)."""
+    if actual - _REF == expected or not actual or not expected:
+        return
+    raise GraphValidationError(
+        f"node {node.name!r} ({node.op}) input {slot} reads '{src}:{output}' of {_dtype_name(actual)}, "
+        f"where it takes {_dtype_name(expected)}")
+
+
+def _signature(signature: Any) -> tuple[_Types, _Types] | None:
+    """A library function's input and output dtypes (_arg_types), from its signature; None
+    when an arg's count depends on how it is called (a number or type-list attr)."""
+    if any(arg.number_attr or arg.type_list_attr for arg in (*signature.input_arg, *signature.output_arg)):
+        return None
+    return _arg_types(signature.input_arg, {}), _arg_types(signature.output_arg, {})
+
+
+def _gives(node: Any, signatures: dict[str, tuple[_Types, _Types] | None]) -> tuple[int, ...] | _Untold | None:
+    """The dtypes of `node`'s outputs (0 for one that cannot be told); None when not even their
+    number is known (a function whose args are sized when it is called)."""
+    spec = _spec(node.op)
+    if spec is not None:
+        return _types_of(node, spec.gives, _LISTED)
+    signature = signatures.get(node.op)
+    return None if signature is None else _types_of(node, signature[1], _LISTED)
+
+
+def _dtype_name(dtype: int) -> str:
+    """DT_FLOAT_REF -> float_ref, as TensorFlow's messages write it."""
+    return types_pb2.DataType.Name(dtype)[3:].lower() if dtype in types_pb2.DataType.values() else f"dtype {dtype}"
 
 
 _FIVE_D = (b"NDHWC", b"NCDHW")

@@ -327,8 +327,6 @@ def _runs(graph_def) -> str | None:
 
 #: TensorFlow's message for an op whose shape function rejects its inputs (group 1: the op).
 SHAPE_FAILURE = re.compile(r" for '\{\{node [^}]+\}\} = (\w+)\[")
-#: Its message for an edge whose dtype is not the one the consuming op takes.
-DTYPE_FAILURE = re.compile(r"Input \d+ of node \S+ was passed \w+ from \S+ incompatible with expected \w+")
 
 
 def _graph_of(message):
@@ -345,16 +343,14 @@ def _through_api(graph_def, log, suite: str) -> str:
         if problem is None:
             outcome = "valid rewritten graph"
         elif (own := _imports(_graph_of(graph_def))) is not None:
-            # rewrite_graph does not import its input. What TensorFlow rejects in a NodeDef alone
-            # (opcheck.check_nodes) and a batch norm's shapes (check_batch_norm_shapes) are
-            # errors; only a shape-function failure of another op, one the rewrite copies as it
-            # is, may leave an output TensorFlow rejects too (--verify: InputFormatError).
-            # Nor are the dtypes an edge carries checked (an op changed to one taking a resource).
+            # rewrite_graph does not import its input. What TensorFlow rejects in a NodeDef or
+            # an edge's dtype (opcheck.check_nodes) and a batch norm's shapes
+            # (check_batch_norm_shapes) are errors; only a shape-function failure of another op,
+            # one the rewrite copies as it is, may leave an output TensorFlow rejects too
+            # (--verify: InputFormatError).
             failing = SHAPE_FAILURE.search(own)
             if failing is not None and not failing.group(1).startswith("FusedBatchNorm"):
                 outcome = "input fails shape inference on an op kept as it is, output too"
-            elif DTYPE_FAILURE.search(own):
-                outcome = "input has an edge of the wrong dtype, output too"
             else:
                 TOTALS[(suite, "INVALID OUTPUT")] += 1
                 raise AssertionError(f"rewrite_graph succeeded on an input TensorFlow rejects: {own}\nmutations: {log}")

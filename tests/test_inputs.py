@@ -5,7 +5,8 @@
   truncated files);
 - every malformed graph is a classified error, never an internal one or an output TensorFlow
   cannot import (attrs of the wrong kind or dtype, output indices out of range, device
-  strings with a task that is no number, long Identity chains, self-loops);
+  strings with a task that is no number, edges of a dtype their consumer does not take, long
+  Identity chains, self-loops);
 - graph queries stay linear with one node reading every node;
 - in_place leaves the caller's message as it was after an exception or Ctrl-C at any point;
 - rewrite_graph's arguments and a tf.Graph that changes while it is read;
@@ -214,6 +215,28 @@ def _untouched(mutate_node):
     return mutate
 
 
+def _feed_int32(node, graph_def):
+    """Feed `node` (taking float) a new int32 Const."""
+    const = graph_def.node.add(name="ints", op="Const")
+    const.attr["dtype"].type = tf.int32.as_datatype_enum
+    const.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.zeros([2, 3, 3, 2], np.int32)))
+    node.input[0] = const.name
+
+
+def _float_into_resource(graph_def):
+    """A VarIsInitializedOp (taking a resource) reading a Relu's float output."""
+    relu = next(n for n in graph_def.node if n.op == "Relu")
+    next(n for n in graph_def.node if n.op == "VarIsInitializedOp").input[0] = relu.name
+
+
+def _huge_count(graph_def):
+    """An AddN whose N says 2**62 inputs (a few bytes asking for exabytes if listed)."""
+    relu = next(n for n in graph_def.node if n.op == "Relu")
+    add = graph_def.node.add(name="sum_of_many", op="AddN", input=[relu.name, relu.name])
+    add.attr["T"].type = tf.float32.as_datatype_enum
+    add.attr["N"].i = 2**62
+
+
 def _bn_input(slot, other):
     """Swap data input `slot` of the first forward (other < 0: of its gradient, with slot -other)."""
     def mutate(graph_def):
@@ -243,6 +266,10 @@ MALFORMED = [
     ("T_int32", _set("T", type=tf.int32.as_datatype_enum), "attr T is DT_INT32; FusedBatchNormV3 takes"),
     ("grad_T_int32", _set("grad_T", type=tf.int32.as_datatype_enum), "attr T is DT_INT32; FusedBatchNormGradV3"),
     ("output_999", _read_output(999), "reads '.*:999', but .* has 6 outputs"),
+    ("float_into_resource", _float_into_resource,
+     r"\(VarIsInitializedOp\) input 0 reads '.*Relu:0' of float, where it takes resource$"),
+    ("int32_into_relu", _untouched(_feed_int32), r"\(Relu\) input 0 reads 'ints:0' of int32, where it takes float$"),
+    ("count_of_2_62", _huge_count, r"'sum_of_many' \(AddN\) has 2 data inputs; AddN takes 4611686018427387904$"),
     ("task_abc", _device("/job:worker/task:abc/device:CPU:0"), "task 'abc' is not a number"),
     ("replica_x", _device("/replica:x/device:CPU:0"), "replica 'x' is not a number"),
 ]
@@ -269,7 +296,8 @@ def test_malformed_graph_through_the_command_line(tmp_path, base):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("case", ["unregistered_op", "attr_of_wrong_kind", "extra_input", "grad_dy_a_vector"])
+@pytest.mark.parametrize("case", ["unregistered_op", "attr_of_wrong_kind", "extra_input", "grad_dy_a_vector",
+                                  "float_into_resource"])
 def test_untouched_node_tensorflow_rejects_through_the_command_line(tmp_path, base, case):
     """A node the rewrite would copy as it is, which TensorFlow's import rejects: convert (run by
     main() in process) exits with GraphValidationError's code and one line, nothing written;
@@ -287,6 +315,58 @@ def test_untouched_node_tensorflow_rejects_through_the_command_line(tmp_path, ba
     lines = err.getvalue().splitlines()
     assert len(lines) == 1 and lines[0].startswith("bnrewrite: error: node "), lines
     assert not out.exists() and os.listdir(tmp_path) == ["in.pb"]
+
+
+def _reference_variable_towers() -> tf.compat.v1.GraphDef:
+    """Two towers of a batch norm whose variables are reference variables (VariableV2: Identity,
+    Assign, ApplyMomentum and, through a cond v1, RefSwitch and RefMerge read their _ref outputs)."""
+    from tensorflow.python.ops import control_flow_util
+
+    graph, v2 = tf.Graph(), control_flow_util.ENABLE_CONTROL_FLOW_V2
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = False
+    try:
+        with graph.as_default():
+            with tf.compat.v1.variable_scope("bn", use_resource=False):
+                gamma, beta, mean, var = (tf.compat.v1.get_variable(n, initializer=np.full(2, v, np.float32), trainable=t)
+                                          for n, v, t in (("gamma", 1, True), ("beta", 0, True), ("mean", 0, False),
+                                                          ("var", 1, False)))
+            grads, updates = [], []
+            for k in range(2):
+                with tf.device(f"/cpu:{k}"), tf.name_scope(f"tower_{k}"):
+                    x = tf.compat.v1.placeholder(tf.float32, [2, 3, 3, 2], name="x")
+                    y, m, v = tf.compat.v1.nn.fused_batch_norm(x, gamma, beta, is_training=True)
+                    updates += [assign_moving_average(mean, m, 0.9, zero_debias=False),
+                                assign_moving_average(var, v, 0.9, zero_debias=False)]
+                    grads.append(tf.gradients(tf.reduce_sum(tf.square(y)), [gamma, beta]))
+            step = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).apply_gradients(
+                [(tf.add_n([g[i] for g in grads]), p) for i, p in enumerate((gamma, beta))])
+            with tf.compat.v1.variable_scope("other", use_resource=False):
+                other = tf.compat.v1.get_variable("other", initializer=np.zeros(2, np.float32), trainable=False)
+            chosen = tf.compat.v1.cond(tf.reduce_sum(gamma) > 0, lambda: tf.compat.v1.assign_add(other, gamma),
+                                       lambda: tf.compat.v1.assign_sub(other, gamma))
+            tf.group(step, chosen, *updates, name="train_op")
+    finally:
+        control_flow_util.ENABLE_CONTROL_FLOW_V2 = v2
+    return graph.as_graph_def()
+
+
+def test_reference_variables_pass_the_dtype_check():
+    """Reference outputs read where their base dtype is taken (Identity, Mul, the cond's
+    RefSwitch) and where a reference is (Assign, ApplyMomentum) are no error: the graph is
+    rewritten and the output imports. A value fed to a reference input is refused, as
+    TensorFlow's import refuses it."""
+    graph_def = _reference_variable_towers()
+    ops = {n.op for n in graph_def.node}
+    assert {"VariableV2", "Assign", "ApplyMomentum", "RefSwitch"} <= ops, ops
+    result = rewrite_graph(graph_def)
+    assert len(result.report.layers) == 1 and result.report.collectives > 0, result.report
+    with tf.Graph().as_default():
+        tf.compat.v1.import_graph_def(result.graph_def, name="")
+    assign = next(n for n in graph_def.node if n.op == "Assign")
+    assign.input[0] = "tower_0/x"
+    with pytest.raises(GraphValidationError, match=rf"'{assign.name}' \(Assign\) input 0 reads 'tower_0/x:0' of float, "
+                                                   "where it takes float_ref$"):
+        rewrite_graph(graph_def)
 
 
 def test_long_identity_chain_between_batch_norm_and_gradient(base):
