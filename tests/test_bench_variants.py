@@ -27,8 +27,9 @@ from step_variants import Size, Variant, build_variants, comparable  # noqa: E40
 TOWERS = 2
 SIZE = Size(layers=2, channels=8, image=8, batch=2)
 STEPS = 2
-SYNCED = ("bnrewrite", "bnrewrite_collective", "bnrewrite_graphdef", "bnrewrite_graphdef_collective", "model_sync",
-          "keras_sync")
+#: (bnrewrite_graphdef and bnrewrite_graphdef_collective are bnrewrite's graphs: see
+#: test_bare_graph_def_gives_the_graph_a_tf_graph_gives.)
+SYNCED = ("bnrewrite", "bnrewrite_collective", "model_sync", "keras_sync")
 FLOORS = ("floor", "floor_gated", "floor_collective", "floor_gated_collective")
 #: tf_keras's synchronized layer updates the moving variance with the biased batch variance
 #: (the fused op, and so the other variants, with the Bessel-corrected one): it is left out of
