@@ -5,9 +5,11 @@ only been checked for structure here. `check` lets a user find out, on the machi
 train on, whether the rewrite is exact there: it builds a small multi-tower conv+BN training
 graph per case (fused and unfused batch norm, NHWC and NCHW), rewrites it with the backend the
 user would get, trains it a few steps beside the un-rewritten graph and one device fed the
-whole batch, and compares. Every case runs in a child process under a deadline, so an
+whole batch, and compares. The cases run in a child process, each under a deadline, so an
 all-reduce that never completes (NCCL refusing two logical devices on one GPU, a tower that
-never launches) is reported, with the phase it blocked in, instead of hanging.
+never launches) is reported, with the phase it blocked in, instead of hanging; the child is
+then stopped and a new one takes the cases after it (one child imports TensorFlow once for
+all the cases that answer).
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -115,8 +119,9 @@ def check(backend: str = "auto", towers: int | None = None, steps: int = 4, time
     devices = (f"{towers} {'logical ' if logical else ''}GPU(s) of {gpus}" if device == "gpu"
                else f"{towers} virtual CPU devices")
     report = CheckReport(backend, devices, skipped=skipped)
-    for norm, data_format in CASES:
-        report.cases.append(_run_case(f"{norm} {data_format}", backend, towers, steps, timeout_seconds))
+    cases = [f"{norm} {data_format}" for norm, data_format in CASES]
+    while len(report.cases) < len(cases):
+        report.cases += _run_cases(cases[len(report.cases):], backend, towers, steps, timeout_seconds)
     return report
 
 
@@ -136,36 +141,57 @@ def _child_env() -> dict[str, str]:
     return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3")}
 
 
-def _run_case(case: str, backend: str, towers: int, steps: int, timeout_seconds: float) -> CaseResult:
-    """One case in a child process; its last phase names what blocked if it runs out of time."""
-    command = [sys.executable, "-m", "bnrewrite.selfcheck", "--case", case, "--backend", backend,
+def _run_cases(cases: list[str], backend: str, towers: int, steps: int, timeout_seconds: float) -> list[CaseResult]:
+    """`cases` in turn in one child process, each under its deadline: their results up to and
+    including the first that does not answer (out of time, or the child died), which fails
+    with the phase it was in."""
+    command = [sys.executable, "-m", "bnrewrite.selfcheck", "--cases", ",".join(cases), "--backend", backend,
                "--towers", str(towers), "--steps", str(steps), "--timeout", str(timeout_seconds)]
-    result = CaseResult(case, backend, towers)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env())
+    lines: queue.Queue[str | None] = queue.Queue()
+    errors: list[str | None] = []
+    readers = [threading.Thread(target=_read_lines, args=(proc.stdout, lines.put), daemon=True),
+               threading.Thread(target=_read_lines, args=(proc.stderr, errors.append), daemon=True)]
+    for reader in readers:
+        reader.start()
+    results: list[CaseResult] = []
+    phase, deadline = "starting", time.monotonic() + timeout_seconds
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_seconds, env=_child_env())
-        output, code = proc.stdout, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        output, code = exc.stdout or "", None
-        if isinstance(output, bytes):
-            output = output.decode(errors="replace")
-    phase = "starting"
-    for line in output.splitlines():
-        message = json.loads(line) if line.startswith("{") else {}
-        phase = message.get("phase", phase)
-        if "result" in message:
-            return CaseResult(**message["result"])
-    if code is None:
-        hint = (" (NCCL may refuse several logical devices on one GPU, or a tower's all-reduce never started)"
-                if backend == "nccl" else "")
-        result.message = f"no answer within {timeout_seconds:g} s while {phase}{hint}; stopped"
-    else:
-        why = (proc.stderr.strip().splitlines() or ["no message"])[-1]
-        result.message = f"failed while {phase} (exit {code}): {why}"
-    return result
+        while len(results) < len(cases):
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                hint = (" (NCCL may refuse several logical devices on one GPU, or a tower's all-reduce never started)"
+                        if backend == "nccl" else "")
+                message = f"no answer within {timeout_seconds:g} s while {phase}{hint}; stopped"
+                return results + [CaseResult(cases[len(results)], backend, towers, message=message)]
+            if line is None:  # the child ended without answering for this case
+                code = proc.wait()
+                readers[1].join(timeout=5)
+                why = next((e.strip() for e in reversed(errors) if e and e.strip()), "no message")
+                message = f"failed while {phase} (exit {code}): {why}"
+                return results + [CaseResult(cases[len(results)], backend, towers, message=message)]
+            answer = json.loads(line) if line.startswith("{") else {}
+            phase = answer.get("phase", phase)
+            if "result" in answer:
+                results.append(CaseResult(**answer["result"]))
+                phase, deadline = "starting", time.monotonic() + timeout_seconds
+        return results
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def _read_lines(stream: Any, put: Any) -> None:
+    """Pass every line of `stream` to `put`, then None (the end)."""
+    for line in stream:
+        put(line)
+    put(None)
 
 
 # ---------------------------------------------------------------------------
-# The child: one case
+# The child: the cases in turn
 # ---------------------------------------------------------------------------
 
 
@@ -351,14 +377,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _child_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bnrewrite.selfcheck")
-    parser.add_argument("--case", required=True)
+    parser.add_argument("--cases", required=True, help="comma-separated")
     parser.add_argument("--backend", required=True)
     parser.add_argument("--towers", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--timeout", type=float, required=True)
     args = parser.parse_args(argv)
-    result = run_case(args.case, args.backend, args.towers, args.steps, args.timeout)
-    print(json.dumps({"result": asdict(result)}), flush=True)
+    for case in args.cases.split(","):
+        result = run_case(case, args.backend, args.towers, args.steps, args.timeout)
+        print(json.dumps({"result": asdict(result)}), flush=True)
     return 0
 
 

@@ -1,7 +1,9 @@
 """`bnrewrite check` / `bnrewrite.check()`: the oracle a user runs on their own machine.
 
 Here (no GPU) it runs the local backend on virtual CPUs and says NCCL was skipped; a
-case that does not finish in time is stopped and named with the phase it was in, never hung.
+case that does not finish in time is stopped and named with the phase it was in, never hung,
+and one that kills the child process running the cases fails with its error while the cases
+after it still run.
 """
 
 import json
@@ -11,7 +13,7 @@ import sys
 import pytest
 
 import bnrewrite
-from bnrewrite import BackendError
+from bnrewrite import BackendError, selfcheck
 from bnrewrite.selfcheck import CASES
 
 
@@ -41,6 +43,16 @@ def test_a_case_out_of_time_is_stopped_and_named():
     assert all(not c.passed and c.message.startswith("no answer within 1.5 s while ") for c in report.cases)
     text = str(report)
     assert "FAIL" in text and "0 of 4 case(s)" in text
+
+
+def test_a_case_that_kills_its_child_fails_and_the_cases_after_it_still_run(monkeypatch):
+    """A malformed case name makes the child process die (ValueError): that case fails with the
+    exit code and the error's last line, and a new child runs the case after it."""
+    monkeypatch.setattr(selfcheck, "CASES", (("broken", "X Y"), ("unfused", "NCHW")))
+    report = bnrewrite.check(steps=2)
+    assert [(c.case, c.passed) for c in report.cases] == [("broken X Y", False), ("unfused NCHW", True)]
+    assert report.cases[0].message.startswith("failed while starting (exit 1): ValueError: too many values to unpack")
+    assert not report.passed
 
 
 def test_text_output_and_exit_code_of_a_failed_check():
