@@ -69,13 +69,12 @@ ConstPool = dict[tuple[str, str, tuple[str, tuple[int, ...], bytes]], str]
 class Shared:
     """What the builders of one pass share: its constants, the sum node of each local
     all-reduce (its shared name -> the AddN every member adds its input to), and each layer's
-    static counts per tower ((layer, phase) -> tower -> count) and per sync group ((layer,
-    phase, members) -> total), see bnrewrite.passes.sites."""
+    static counts ((layer, phase) -> tower -> (its count, its sync group's), see
+    bnrewrite.passes.sites.static_counts)."""
 
     consts: ConstPool = field(default_factory=dict)
     sums: dict[str, str] = field(default_factory=dict)
-    counts: dict[tuple[int, int], dict[str, int | None]] = field(default_factory=dict)
-    totals: dict[tuple[int, int, tuple[str, ...]], int | None] = field(default_factory=dict)
+    counts: dict[tuple[int, int], dict[str, tuple[int | None, int | None]]] = field(default_factory=dict)
 
 
 def _body_of(scope: str) -> str:

@@ -84,7 +84,7 @@ def centred_moments(b: Builder, x: str, dtype: int, axes: list[int], broadcast: 
 
 def global_moments(b: Builder, local: Local, key: Collective, total: int | None = None) -> Moments:
     """The global moments from every tower's `local` ones, by one all-reduce. `total`, the
-    global count when every member's is static (see bnrewrite.passes.sites.static_total), keeps
+    global count when every member's is static (see bnrewrite.passes.sites.static_counts), keeps
     the count out of the all-reduce and turns the divisions into products with constants."""
     n, m64 = local.count, b.cast("local_mean64", local.mean, F, D)
     s = b.binary("Mul", "sum64", n, m64, D)

@@ -126,31 +126,24 @@ def static_count(graph: Graph, x: str, scale: str) -> int | None:
     return elements // channels if elements is not None and channels else None
 
 
-def static_total(ctx: SiteContext, phase: int, counts: dict[str, int | None]) -> int | None:
-    """The global count of the sync group of `ctx.tower` for its layer in `phase`, from its
-    members' static counts (`counts`: tower -> static_count), when every member is in this
-    graph (one worker) and known, and above 1 (the unbiased variance divides by N - 1); else
-    None: the count then travels in the all-reduce. Worked out once per group in a pass."""
-    if ctx.plan.options.num_workers != 1:
-        return None
-    members = next(m for m in ctx.plan.sync_groups if ctx.tower in m)
-    key = (ctx.layer, phase, members)
-    if key not in ctx.shared.totals:
-        known = [counts.get(tower) for tower in members]
-        total = None if None in known else sum(known)  # type: ignore[arg-type]
-        ctx.shared.totals[key] = total if total is not None and total > 1 else None
-    return ctx.shared.totals[key]
-
-
-def layer_counts(graph: Graph, ctx: SiteContext, phase: int, x_and_scale: Callable[[Site], Sequence[str] | None]) -> dict[str, int | None]:
-    """Tower -> static_count of each copy of ctx's layer (fused sites) in `phase` (0 forward, j+1
-    gradient j), of the x and scale tensors that `x_and_scale` picks from the copy's site (None:
-    the copy has none); worked out once per layer and phase in a pass."""
+def static_counts(ctx: SiteContext, phase: int, x_and_scale: Callable[[Site], Sequence[str] | None]) -> tuple[int | None, int | None]:
+    """(n, N) for ctx's tower in its layer (fused sites) and `phase` (0 forward, j+1 gradient j):
+    the static_count of the x and scale tensors `x_and_scale` picks from a copy's site (None:
+    the copy has none), and the sum over its sync group when every member is in this graph (one
+    worker) and known, and above 1 (the unbiased variance divides by N - 1); else None, and the
+    count then travels in the all-reduce. Worked out for every tower once per layer and phase."""
     key = (ctx.layer, phase)
-    counts = ctx.shared.counts.get(key)
-    if counts is None:
-        counts = ctx.shared.counts[key] = {}
-        for tower, site in zip(ctx.plan.towers.ids, ctx.plan.groups[ctx.layer].sites):
+    known = ctx.shared.counts.get(key)
+    if known is None:
+        plan = ctx.plan
+        counts: dict[str, int | None] = {}
+        for tower, site in zip(plan.towers.ids, plan.groups[ctx.layer].sites):
             picked = x_and_scale(site)
-            counts[tower] = static_count(graph, *picked) if picked else None
-    return counts
+            counts[tower] = static_count(ctx.graph, *picked) if picked else None
+        known = ctx.shared.counts[key] = {}
+        for members in plan.sync_groups:
+            group = [counts.get(tower) for tower in members]
+            total = None if plan.options.num_workers != 1 or None in group else sum(group)  # type: ignore[arg-type]
+            for tower in members:
+                known[tower] = (counts.get(tower), total if total is not None and total > 1 else None)
+    return known.get(ctx.tower, (None, None))

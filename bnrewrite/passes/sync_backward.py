@@ -28,8 +28,7 @@ from bnrewrite.graph import Graph, parse_input
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_FLOAT, Builder, DType, identity_n
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sites import (SiteContext, deviations, each_site, kernel_sized, layer_counts, static_total,
-                                   statistics_node)
+from bnrewrite.passes.sites import SiteContext, deviations, each_site, kernel_sized, static_counts, statistics_node
 from bnrewrite.plan import Plan
 
 F = DT_FLOAT
@@ -159,12 +158,12 @@ def _replace(grad: str, b: Builder, dx: str, dscale: str, doffset: str, controls
 
 
 def _static_total(ctx: SiteContext, phase: int) -> int | None:
-    """The layer's global count when static (bnrewrite.passes.sites.static_total), from the x
+    """The layer's global count N when static (bnrewrite.passes.sites.static_counts), from the x
     and scale each copy's gradient `phase` reads."""
     def x_and_scale(copy: Site) -> Sequence[str] | None:
         return ctx.graph.node(copy.grads[phase - 1]).input[1:3] if len(copy.grads) >= phase else None
 
-    return static_total(ctx, phase, layer_counts(ctx.graph, ctx, phase, x_and_scale))
+    return static_counts(ctx, phase, x_and_scale)[1]
 
 
 def _forward_count(graph: Graph, grad: str, site: Site) -> str | None:

@@ -26,8 +26,8 @@ from bnrewrite.graph import Graph, tensor_name
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_DOUBLE, DT_FLOAT, MARK, Builder, DType, identity_n, set_attr
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sites import (DEVIATIONS_ATTR, SiteContext, each_site, kernel_sized, layer_counts, passes_sized,
-                                   static_total, statistics_node)
+from bnrewrite.passes.sites import (DEVIATIONS_ATTR, SiteContext, each_site, kernel_sized, passes_sized, static_counts,
+                                   statistics_node)
 from bnrewrite.plan import Plan
 from bnrewrite.statistics import Local, centred_moments, global_moments
 
@@ -46,13 +46,12 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     b = ctx.builder(site.name, "sync_bn", node.device)
     T, U = site.dtype, site.stat_dtype
     small, deviations = passes_sized(ctx.graph, site, x), ""
-    counts = layer_counts(ctx.graph, ctx, 0, lambda copy: ctx.graph.node(copy.name).input[:2])
-    count = counts[ctx.tower]
+    count, total = static_counts(ctx, 0, lambda copy: ctx.graph.node(copy.name).input[:2])
     if kernel_sized(ctx.graph, site, x):
         local = _kernel_moments(b, x, scale, offset, site, count)
     else:
         local, _, deviations = centred_moments(b, x, T, site.reduce_axes, site.channel_shape, keep_deviations=small, count=count)
-    moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower), static_total(ctx, 0, counts))
+    moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower), total)
     mean, var = moments.mean, moments.variance
     eps = b.const("epsilon", site.epsilon, np.float32)
     rstd = b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", var, eps, F), F)
