@@ -1,6 +1,7 @@
 """bnrewrite: synchronized batch norm for replicated multi-tower TensorFlow graphs, as a rewrite.
 
-`rewrite_graph`, `RewriteResult` and `check` are imported on first use (PEP 562), so that
+`rewrite_graph`, `RewriteResult`, `check` and `enable`/`disable`/`enabled` are imported on first
+use (PEP 562), so that
 `import bnrewrite` and `bnrewrite --help` do not pay for importing TensorFlow, and the
 command line can quiet TensorFlow's import-time logging before it happens.
 """
@@ -11,6 +12,7 @@ from bnrewrite.errors import (
     BnRewriteError,
     ForeignGraphError,
     GraphValidationError,
+    IndependentModelsError,
     InferenceOnlyError,
     InputFormatError,
     NoBatchNormError,
@@ -29,6 +31,7 @@ __all__ = [
     "BnRewriteError",
     "ForeignGraphError",
     "GraphValidationError",
+    "IndependentModelsError",
     "InferenceOnlyError",
     "InputFormatError",
     "NoBatchNormError",
@@ -39,10 +42,16 @@ __all__ = [
     "RewriteResult",
     "TowerMismatchError",
     "check",
+    "disable",
+    "enable",
+    "enabled",
     "rewrite_graph",
 ]
 
-_LAZY = {"rewrite_graph": "api", "RewriteResult": "api", "check": "selfcheck"}
+_LAZY = {
+    "rewrite_graph": "api", "RewriteResult": "api", "check": "selfcheck",
+    "enable": "live", "disable": "live", "enabled": "live",
+}
 
 
 def __getattr__(name: str) -> object:

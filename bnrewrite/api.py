@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import gc
-import math
-import numbers
 import signal
 import threading
 import weakref
@@ -16,17 +14,15 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
 from bnrewrite import functions, handles, meaning
+from bnrewrite.arguments import check_arguments
 from bnrewrite.errors import (
     AlreadyRewrittenError,
-    BackendError,
     BnRewriteError,
     InferenceOnlyError,
     NoBatchNormError,
 )
 from bnrewrite.graph import Graph, copy_fields, parse_input
 from bnrewrite.match.sites import Census, scan
-from bnrewrite.collectives import BACKENDS
-from bnrewrite.match.towers import TOWER_BY
 from bnrewrite.nodes import MARK
 from bnrewrite.opcheck import check_nodes
 from bnrewrite.passes import run_passes
@@ -128,6 +124,7 @@ def rewrite_graph(
     task_index: int = 0,
     if_rewritten: str = "error",
     in_place: bool = False,
+    available_gpus: int | None = None,
 ) -> RewriteResult:
     """Synchronize batch norm across the towers of a replicated training graph.
 
@@ -154,11 +151,19 @@ def rewrite_graph(
         of a copy, which saves the memory of one copy of the graph; if the rewrite fails, it
         is left as it was.
     """
-    _check_arguments(backend, tower_by, group_size, timeout_seconds, num_workers, task_index, if_rewritten, in_place)
+    check_arguments(backend, tower_by, group_size, timeout_seconds, num_workers, task_index, if_rewritten, in_place)
     options = Options(
         backend=backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds,
-        num_workers=num_workers, task_index=task_index,
+        num_workers=num_workers, task_index=task_index, available_gpus=available_gpus,
     )
+    if in_place and _is_tf_graph(graph):
+        from bnrewrite import live
+
+        gpus = live.visible_gpus() if available_gpus is None else available_gpus
+        return live.attach(graph, lambda graph_def: rewrite_graph(
+            graph_def, backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds,
+            num_workers=num_workers, task_index=task_index, if_rewritten=if_rewritten, in_place=True,
+            available_gpus=gpus))
     graph_def, meta, storage = _as_protos(graph, in_place)
     undo = _Undo(graph_def if storage is graph_def and in_place else None, len(graph_def.node))
     try:
@@ -169,37 +174,6 @@ def rewrite_graph(
             undo.restore()
         raise
     return result
-
-
-def _check_arguments(
-    backend: Any, tower_by: Any, group_size: Any, timeout_seconds: Any, num_workers: Any, task_index: Any,
-    if_rewritten: Any, in_place: Any,
-) -> None:
-    """Raise BnRewriteError naming the valid values for the first argument that has none of them
-    (the types too: a string "2" is no group size)."""
-    for name, value, choices, error in (("backend", backend, BACKENDS, BackendError),
-                                        ("tower_by", tower_by, TOWER_BY, BnRewriteError),
-                                        ("if_rewritten", if_rewritten, ("error", "keep"), BnRewriteError)):
-        if not isinstance(value, str) or value not in choices:
-            raise error(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
-    if group_size is not None and not (_is_int(group_size) and group_size >= 1):
-        raise BnRewriteError(f"group_size={group_size!r} is not valid; give a positive integer (1 or more) "
-                             "that divides the number of towers, or None for all towers together")
-    if not (isinstance(timeout_seconds, (int, float)) and not isinstance(timeout_seconds, bool)
-            and math.isfinite(timeout_seconds) and timeout_seconds >= 0):
-        raise BnRewriteError(f"timeout_seconds={timeout_seconds!r} is not valid; give a finite number of seconds, "
-                             "0 or more (0: no timeout)")
-    if not (_is_int(num_workers) and num_workers >= 1):
-        raise BnRewriteError(f"num_workers={num_workers!r} is not valid; give a positive integer (1 or more)")
-    if not (_is_int(task_index) and 0 <= task_index < num_workers):
-        raise BnRewriteError(f"task_index={task_index!r} is not valid; give an integer from 0 to "
-                             f"{num_workers - 1} (num_workers {num_workers})")
-    if not isinstance(in_place, bool):
-        raise BnRewriteError(f"in_place={in_place!r} is not valid; give True or False")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _rewrite(
@@ -303,11 +277,15 @@ def _as_protos(
         return graph.graph_def, meta, meta.graph_def
     if isinstance(graph, graph_pb2.GraphDef):
         return graph, None, graph if in_place else graph_pb2.GraphDef()
-    if hasattr(graph, "as_graph_def") and hasattr(graph, "get_all_collection_keys"):
+    if _is_tf_graph(graph):
         meta = _export(graph)
         graph_def = meta.graph_def
         return graph_def, meta, graph_def
     raise BnRewriteError(f"rewrite_graph takes a tf.Graph, GraphDef or MetaGraphDef, not {type(graph).__name__}")
+
+
+def _is_tf_graph(graph: Any) -> bool:
+    return hasattr(graph, "as_graph_def") and hasattr(graph, "get_all_collection_keys")
 
 
 def _export(graph: Any, attempts: int = 3) -> meta_graph_pb2.MetaGraphDef:

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bnrewrite.arguments import BACKENDS
 from bnrewrite.errors import BackendError
 from bnrewrite.graph import Device
 from bnrewrite.nodes import Builder, DType
 
-BACKENDS = ("auto", "nccl", "local", "collective")
 #: All-reduce ops that meet their peers by keys, so every tower must launch them in one order
 #: (order_collectives); a local sum is an ordinary op and needs none.
 COLLECTIVE_OPS = frozenset({"NcclAllReduce", "CollectiveReduceV2"})
@@ -44,10 +44,14 @@ class Collective:
         return f"bnrewrite_g{self.group_key}_i{self.instance_key}"
 
 
-def choose_backend(backend: str, devices: list[Device], num_workers: int = 1, in_functions: str = "") -> str:
+def choose_backend(
+    backend: str, devices: list[Device], num_workers: int = 1, in_functions: str = "", available_gpus: int | None = None,
+) -> str:
     """'auto' picks NCCL when every tower is a GPU of its own (and one worker), else the local
     sum when the towers are in one process and no synced op is inside a function
     (`in_functions` names one that is), else the collective runtime; checks the devices allow it.
+    `available_gpus` (when known: a live session's) keeps auto off NCCL when a tower's GPU is not
+    there, where soft placement runs the towers on the CPU.
 
     NcclAllReduce only reaches devices of one process: across workers the collective runtime
     is used, with communication hint "nccl" on GPUs. Both meet one peer per device, so towers
@@ -57,9 +61,10 @@ def choose_backend(backend: str, devices: list[Device], num_workers: int = 1, in
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     on_gpu = all(d.type == "GPU" for d in devices)
+    present = available_gpus is None or all(0 <= d.index < available_gpus for d in devices)
     distinct = len(set(devices)) == len(devices)
     if backend == "auto":
-        backend = ("nccl" if on_gpu and distinct and num_workers == 1
+        backend = ("nccl" if on_gpu and present and distinct and num_workers == 1
                    else "local" if num_workers == 1 and not in_functions else "collective")
     if backend == "local" and num_workers > 1:
         raise BackendError('backend local sums inside one process; with several workers use backend="collective"')

@@ -34,9 +34,16 @@ class InferenceOnlyError(BnRewriteError):
 
 
 class NoTowersError(BnRewriteError):
-    """Fewer than two towers could be found."""
+    """Fewer than two towers, or towers that train independent models."""
 
     exit_code = 6
+
+
+class IndependentModelsError(NoTowersError):
+    """The towers train independent models: synchronizing them would couple K trainings.
+
+    A NoTowersError (same exit code) that `bnrewrite run` refuses, where a graph with one
+    tower runs unchanged."""
 
 
 class TowerMismatchError(BnRewriteError):

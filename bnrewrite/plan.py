@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from bnrewrite.collectives import Collective, choose_backend
-from bnrewrite.errors import BnRewriteError, NoBatchNormError, NoTowersError, TowerMismatchError
+from bnrewrite.errors import BnRewriteError, IndependentModelsError, NoBatchNormError, NoTowersError, TowerMismatchError
 from bnrewrite.functions import in_body
 from bnrewrite.graph import Graph
 from bnrewrite.match.replicas import trained_apart
@@ -31,6 +31,7 @@ class Options:
     timeout_seconds: float = 0.0
     num_workers: int = 1
     task_index: int = 0
+    available_gpus: int | None = None  # auto: towers on GPUs beyond these take the local sum
     group_key_base: int = 0x5B00
     instance_key_base: int = 0x5B0000
 
@@ -74,7 +75,7 @@ def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
         raise type(exc)(f"{exc} ({len(census.skips)} batch-norm op(s) skipped, e.g. {first.node}: {first.reason})") from None
     apart = trained_apart(graph, towers) if options.num_workers == 1 else ""
     if apart:
-        raise NoTowersError(apart)
+        raise IndependentModelsError(apart)
     size = options.group_size or len(towers.ids)
     if options.num_workers > 1 and size != len(towers.ids):
         raise BnRewriteError("sync groups within a worker cannot be combined with several workers; drop group_size")
@@ -86,7 +87,7 @@ def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
     devices = [site.device for site in towers.groups[0].sites]
     inside = next((name for group in towers.groups for site in group.sites for name in (site.name, *site.grads)
                    if in_body(name)), "")
-    backend = choose_backend(options.backend, devices, options.num_workers, inside)
+    backend = choose_backend(options.backend, devices, options.num_workers, inside, options.available_gpus)
     return Plan(towers, backend, sync_groups, options)
 
 

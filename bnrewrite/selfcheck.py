@@ -95,7 +95,7 @@ def _figure(value: float | None) -> str:
 def check(backend: str = "auto", towers: int | None = None, steps: int = 4, timeout_seconds: float = 120.0) -> CheckReport:
     """Run every case with `backend` ("auto": NCCL on 2 or more GPUs, else the local backend on
     virtual CPUs) on `towers` towers (default: every GPU, or 2 virtual CPUs)."""
-    from bnrewrite.collectives import BACKENDS
+    from bnrewrite.arguments import BACKENDS
     from bnrewrite.errors import BackendError
 
     if backend not in BACKENDS:

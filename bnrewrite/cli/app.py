@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import sys
 import threading
 import traceback
 from collections.abc import Sequence
@@ -18,16 +19,29 @@ from bnrewrite import __version__
 from bnrewrite.cli.document import rewrite_keywords
 from bnrewrite.cli.output import PROG, cli_wording, one_line, print_error, silence_stdout
 from bnrewrite.cli.parser import INTERNAL_ERROR, USAGE, build_parser, replication_problem
+from bnrewrite.cli.run import cmd_run, split_argv
 from bnrewrite.cli.tf import quiet_tensorflow
 from bnrewrite.errors import BnRewriteError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_argv: list[str] = []
+    if argv[:1] == ["run"]:
+        own, script_argv = split_argv(argv[1:])
+        argv = ["run", *own]
     args = build_parser().parse_args(argv)
     problem = replication_problem(args)
     if problem is not None:
         print_error(f"{problem} (see '{PROG} {args.command} --help')")
         return USAGE
+    if args.command == "run":  # the script's own stderr, logging and signals stay its own
+        args.script_argv = script_argv
+        try:
+            return cmd_run(args)
+        except BnRewriteError as exc:
+            print_error(cli_wording(str(exc)))
+            return exc.exit_code
     if not args.verbose:
         quiet_tensorflow()
     previous = _stop_on_signals()

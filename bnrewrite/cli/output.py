@@ -21,6 +21,11 @@ _FLAGS = {
 }
 _KEYWORD = re.compile(r"\b(" + "|".join(_FLAGS) + r")=\"?([\w.]*)\"?|\b(" + "|".join(k for k in _FLAGS if "_" in k) + r")\b")
 
+#: Unexpected internal errors (a bug): EX_SOFTWARE from sysexits.h.
+INTERNAL_ERROR = 70
+INTERRUPTED = 130
+USAGE = 2
+
 
 def cli_wording(message: str) -> str:
     """An error message of the Python API in the command line's words: `backend="collective"`

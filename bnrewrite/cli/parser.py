@@ -12,12 +12,9 @@ from bnrewrite import __version__, errors, selfcheck
 from bnrewrite.cli.convert import cmd_convert
 from bnrewrite.cli.diff import cmd_diff
 from bnrewrite.cli.inspect import cmd_inspect
-from bnrewrite.cli.output import PROG, print_error
+from bnrewrite.cli.run import cmd_run
+from bnrewrite.cli.output import INTERNAL_ERROR, INTERRUPTED, PROG, USAGE, print_error
 
-#: Unexpected internal errors (a bug): EX_SOFTWARE from sysexits.h.
-INTERNAL_ERROR = 70
-INTERRUPTED = 130
-USAGE = 2
 #: Exit code -> what it means, for --help and the README.
 EXIT_CODES: list[tuple[int, str, str]] = [
     (0, "", "success (convert wrote OUT, or --dry-run/inspect/diff found no problem)"),
@@ -37,6 +34,7 @@ commands:
   convert IN OUT   rewrite IN so batch norm is synchronized across its towers; write OUT
   inspect IN       show the towers, every batch-norm site and what convert would do
   diff A B         compare two models: op counts and per-layer changes
+  run SCRIPT ARGS  run a training script unmodified, its sessions on the synchronized graph
 
 IN can be a GraphDef (.pb binary, .pbtxt text), a MetaGraphDef (.meta, from
 tf.compat.v1.train.Saver / export_meta_graph) or a SavedModel directory; the format is
@@ -90,6 +88,22 @@ moved into place together at the end (or, on any failure or interrupt, none of t
 --report, --dot and --tensorboard must not exist unless --force is given, and --force
 replaces only what bnrewrite writes there (a file, a SavedModel, its own TensorBoard runs);
 OUT may never be IN. convert never runs the graph; --verify only imports the result.
+"""
+
+RUN_EPILOG = """\
+examples:
+  bnrewrite run train.py --num_gpus 4
+  bnrewrite run --backend local --report run.json train.py --num_gpus 4
+  bnrewrite run -m trainer.main --config cfg.yaml
+
+SCRIPT runs exactly as `python SCRIPT ARGS` would (argv, __main__, sys.path[0], its exit
+code, tracebacks, Ctrl-C as 130); everything after SCRIPT is the script's. Each session it
+creates (tf.compat.v1.Session, InteractiveSession, Supervisor, MonitoredTrainingSession,
+tf_slim.learning.train, ...) on a graph with multi-tower training batch norm runs the
+synchronized graph; the script's graph, handles, savers and checkpoints stay as they were.
+Graphs with nothing to synchronize (inference, one tower, already rewritten) run unchanged
+with a note; a graph bnrewrite refuses stops the script before its first step with the
+error's exit code, unless --allow-unsynced.
 """
 
 INSPECT_EPILOG = """\
@@ -181,6 +195,20 @@ def build_parser() -> argparse.ArgumentParser:
     _verbosity(diff)
     diff.set_defaults(func=cmd_diff)
 
+    run = sub.add_parser(
+        "run", help="run a training script with synchronized batch norm", epilog=RUN_EPILOG, formatter_class=fmt,
+        usage=f"{PROG} run [OPTIONS] SCRIPT [ARGS...] | {PROG} run [OPTIONS] -m MODULE [ARGS...]",
+        description="Run SCRIPT (or -m MODULE) as python would; its sessions run the synchronized graph.",
+    )
+    run.add_argument("-m", dest="module", metavar="MODULE", help="run library module MODULE as a script (python -m)")
+    _rewrite_options(run, tags=False)
+    run.add_argument("--allow-unsynced", action="store_true",
+                     help="run a graph bnrewrite refuses as it is, with a warning, instead of stopping the script")
+    run.add_argument("--report", metavar="FILE.json", help="write every graph's outcome and report to FILE.json at the end")
+    run.add_argument("--force", action="store_true", help="replace --report's file if it exists")
+    _verbosity(run)
+    run.set_defaults(func=cmd_run, script_argv=[])
+
     check = sub.add_parser(
         "check", help="check on this machine that synced training matches one device", epilog=CHECK_EPILOG,
         formatter_class=fmt,
@@ -192,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _rewrite_options(parser: argparse.ArgumentParser) -> None:
+def _rewrite_options(parser: argparse.ArgumentParser, tags: bool = True) -> None:
     group = parser.add_argument_group("rewrite")
     group.add_argument("--backend", choices=["auto", "nccl", "local", "collective"], default="auto",
                        help="all-reduce: NcclAllReduce (GPU towers), local (one AddN, towers of one process) or "
@@ -208,8 +236,9 @@ def _rewrite_options(parser: argparse.ArgumentParser) -> None:
                        help="between-graph replication: N identical workers (collective backend)")
     group.add_argument("--task-index", type=_non_negative_int, metavar="I",
                        help="this worker's index, 0..N-1 (required with --workers N > 1)")
-    group.add_argument("--tags", action="append", metavar="T1,T2",
-                       help="SavedModels: rewrite only the MetaGraph with exactly these tags (repeatable; default: all)")
+    if tags:
+        group.add_argument("--tags", action="append", metavar="T1,T2",
+                           help="SavedModels: rewrite only the MetaGraph with exactly these tags (repeatable; default: all)")
 
 
 def _verbosity(parser: argparse.ArgumentParser) -> None:

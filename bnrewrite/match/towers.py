@@ -20,7 +20,6 @@ from bnrewrite.graph import Graph
 from bnrewrite.match.lineup import line_up
 from bnrewrite.match.sites import Site, Skip
 
-TOWER_BY = ("auto", "device", "scope")
 
 
 @dataclass(frozen=True)

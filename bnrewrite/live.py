@@ -1,0 +1,414 @@
+"""Sessions that run the synchronized graph of the script's own tf.Graph: `enable()`,
+`rewrite_graph(g, in_place=True)` and `bnrewrite run`.
+
+The script's graph is never edited, so every handle it holds (ops, tensors, variables, savers,
+summaries, collections, hooks) stays what it built. When a session is created on a graph that
+holds multi-tower training batch norm, the graph is rewritten and imported into a shadow
+tf.Graph; TensorFlow's session is created on the shadow, while the Python session object keeps
+the script's graph (`sess.graph`, and the resolution of fetches and feeds). TensorFlow's C API
+runs feeds, fetches and targets by name, and the rewrite keeps the name of every node it does
+not remove, so each handle runs its synchronized counterpart. Ops the script adds to its graph
+later (an init op, a Saver, eval ops) are copied into the shadow before the next run.
+
+Invariant: a session on a rewritten graph runs, under every name, what the rewritten graph
+gives that name; a name the rewrite removed, or a later op that reads one, is refused by name
+(RemovedByRewriteError) before the run. Importing this module does not import TensorFlow: the
+session class is patched when TensorFlow's session module is first imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from bnrewrite.arguments import check_arguments
+from bnrewrite.errors import (
+    AlreadyRewrittenError,
+    BnRewriteError,
+    IndependentModelsError,
+    InferenceOnlyError,
+    NoBatchNormError,
+    NoTowersError,
+    RemovedByRewriteError,
+)
+
+SESSION_MODULE = "tensorflow.python.client.session"
+#: What makes a graph run unchanged rather than refused: there is nothing to synchronize.
+NOTHING_TO_SYNC = (NoBatchNormError, InferenceOnlyError, AlreadyRewrittenError, NoTowersError)
+
+
+@dataclass(frozen=True)
+class LiveOptions:
+    """`enable()`'s options: the rewrite's keyword arguments, and what to do with a graph
+    bnrewrite refuses (`allow_unsynced`: run it as it is; `exit_on_refusal`: `bnrewrite run`
+    stops the script with the error's exit code) and what to print."""
+
+    rewrite: dict[str, Any] = field(default_factory=dict)
+    allow_unsynced: bool = False
+    exit_on_refusal: bool = False
+    quiet: bool = False
+    verbose: bool = False
+
+
+@dataclass
+class Shadow:
+    """The rewritten graph a script's graph runs as, and what of the script's graph it holds:
+    the first `copied` ops, less those `missing` (node -> why it cannot run)."""
+
+    graph: Any
+    copied: int
+    missing: dict[str, str]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def catch_up(self, script_graph: Any) -> None:
+        """Copy the ops added to `script_graph` since the last call; an op that reads a missing
+        node is not copied and becomes missing too."""
+        if script_graph.version == self.copied:
+            return
+        with self.lock:
+            operations = script_graph.get_operations()
+            if len(operations) > self.copied:
+                _copy_ops(operations[self.copied:], script_graph, self)
+            self.copied = len(operations)
+
+    def refuse_missing(self, names: Iterator[str]) -> None:
+        for name in names:
+            if name in self.missing:
+                raise RemovedByRewriteError(
+                    f"{name} is not in the synchronized graph: {self.missing[name]}; fetch the train op instead")
+
+
+@dataclass
+class _Decision:
+    shadow: Shadow | None
+    version: int  # the script graph's version when decided
+
+
+@dataclass
+class _State:
+    options: LiveOptions | None = None  # None: disabled (graphs given to attach() still run rewritten)
+    decisions: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    sessions: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    installed: bool = False
+
+
+_state = _State()
+
+
+def enable(
+    *, backend: str = "auto", tower_by: str = "auto", group_size: int | None = None, timeout_seconds: float = 0.0,
+    num_workers: int = 1, task_index: int = 0, allow_unsynced: bool = False, quiet: bool = False,
+    verbose: bool = False, exit_on_refusal: bool = False,
+) -> None:
+    """From now on, every graph-mode session created on a graph with multi-tower training batch
+    norm runs the synchronized graph (as under `bnrewrite run`); graphs with nothing to
+    synchronize run unchanged, with a note on stderr unless `quiet`. A graph bnrewrite refuses
+    raises its error at session creation (`exit_on_refusal`: prints it and exits with its
+    code), or with `allow_unsynced` runs unchanged with a warning. Options: `rewrite_graph`'s."""
+    check_arguments(backend, tower_by, group_size, timeout_seconds, num_workers, task_index)
+    rewrite = dict(backend=backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds,
+                   num_workers=num_workers, task_index=task_index)
+    with _state.lock:
+        _state.options = LiveOptions(rewrite, allow_unsynced, exit_on_refusal, quiet, verbose)
+        _install()
+
+
+def disable() -> None:
+    """Sessions created from now on run their graphs as they are. Sessions already created keep
+    what they run; graphs given to `rewrite_graph(g, in_place=True)` stay synchronized."""
+    with _state.lock:
+        _state.options = None
+
+
+@contextmanager
+def enabled(**options: Any) -> Iterator[None]:
+    """`enable(**options)` for the block, then the options that were in force before."""
+    with _state.lock:
+        before = _state.options
+        enable(**options)
+    try:
+        yield
+    finally:
+        with _state.lock:
+            _state.options = before
+
+
+def records() -> list[dict[str, Any]]:
+    """One entry per graph decided so far: its outcome, why, and the rewrite's report."""
+    with _state.lock:
+        return list(_state.records)
+
+
+def attach(graph: Any, rewrite: Callable[[Any], Any]) -> Any:
+    """Rewrite tf.Graph `graph` with `rewrite` (GraphDef -> RewriteResult, raising as
+    rewrite_graph does) and make every session created on it from now on run the result."""
+    with _state.lock:
+        if isinstance(_state.decisions.get(graph), _Decision) and _state.decisions[graph].shadow is not None:
+            raise AlreadyRewrittenError("sessions on this graph already run its synchronized graph "
+                                        "(rewrite_graph(g, in_place=True) was called on it before)")
+        open_sessions = _open_sessions(graph)
+        if open_sessions:
+            raise BnRewriteError(
+                f"{len(open_sessions)} session(s) already exist on this graph and would go on running it unsynchronized; "
+                "call rewrite_graph(g, in_place=True) before creating any session on g (or close them first)")
+        graph_def = graph.as_graph_def()
+        count = len(graph_def.node)
+        result = rewrite(graph_def)
+        _state.decisions[graph] = _Decision(_shadow(count, result), graph.version)
+        _install()
+        return result
+
+
+def _open_sessions(graph: Any) -> list[Any]:
+    from tensorflow.python.client.session import BaseSession
+
+    import gc
+
+    return [o for o in gc.get_referrers(graph) if isinstance(o, BaseSession) and not o._closed]
+
+
+def _shadow(count: int, result: Any) -> Shadow:
+    """The shadow of a graph whose first `count` ops `result` rewrote."""
+    import tensorflow as tf
+
+    shadow_graph = tf.Graph()
+    with shadow_graph.as_default():
+        tf.graph_util.import_graph_def(result.graph_def, name="")
+    removed = {r["node"]: f"the rewrite removed it ({r['why']})" for r in result.report.removed}
+    return Shadow(shadow_graph, count, removed)
+
+
+def _copy_ops(operations: list[Any], script_graph: Any, shadow: Shadow) -> None:
+    """Import `operations` (new ops of the script's graph, in creation order) into the shadow.
+    Inputs from outside them map to the shadow's tensors of the same names; control inputs from
+    outside are added after the import (the importer maps data edges only by tensor)."""
+    from tensorflow.core.framework import graph_pb2
+    from tensorflow.python.framework import importer
+
+    target = shadow.graph
+    fragment = graph_pb2.GraphDef()
+    fragment.versions.CopyFrom(target.graph_def_versions)
+    names = {op.name for op in operations}
+    input_map: dict[str, Any] = {}
+    controls: dict[str, list[str]] = {}
+    for op in operations:
+        node = op.node_def
+        if node.name in _names(target):
+            shadow.missing[node.name] = "its name is taken by an op bnrewrite added to the synchronized graph"
+            names.discard(node.name)
+            continue
+        reads = [name.lstrip("^").split(":")[0] for name in node.input]
+        bad = next((name for name in reads if name in shadow.missing), None)
+        if bad is not None:
+            shadow.missing[node.name] = f"it reads {bad}, and {shadow.missing[bad]}"
+            names.discard(node.name)
+            continue
+        inputs = []
+        for name, source in zip(list(node.input), reads):
+            if source in names:
+                inputs.append(name)
+            elif name.startswith("^"):
+                controls.setdefault(node.name, []).append(source)
+            else:
+                inputs.append(name)
+                input_map[name] = target.get_tensor_by_name(name if ":" in name else f"{name}:0")
+        del node.input[:]
+        node.input.extend(inputs)
+        fragment.node.append(node)
+    functions = getattr(script_graph, "_functions", {})
+    for name, function in functions.items():
+        if not target._is_function(name) and hasattr(function, "definition"):
+            fragment.library.function.append(function.definition)
+    if not fragment.node:
+        return
+    with target.as_default():
+        importer._import_graph_def_internal(fragment, input_map=input_map, name="", validate_colocation_constraints=False)
+    for name, sources in controls.items():
+        target.get_operation_by_name(name)._add_control_inputs([target.get_operation_by_name(s) for s in sources])
+
+
+def _names(graph: Any) -> Any:
+    return graph._nodes_by_name
+
+
+def _install() -> None:
+    """Patch TensorFlow's session class now if its module is loaded, else when it is."""
+    if _state.installed:
+        return
+    _state.installed = True
+    module = sys.modules.get(SESSION_MODULE)
+    if module is not None:
+        _patch(module)
+    else:
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds TensorFlow's session module as the path finder would, and patches it once loaded."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != SESSION_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _PatchingLoader(spec.loader)
+        return spec
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        _patch(module)
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
+
+
+def _patch(module: Any) -> None:
+    base = module.BaseSession
+    if getattr(base, "_bnrewrite_patched", False):
+        return
+    init, extend, do_run = base.__init__, base._extend_graph, base._do_run
+
+    @functools.wraps(init)
+    def __init__(self: Any, target: Any = "", graph: Any = None, config: Any = None) -> None:
+        self._session = None  # what __del__ looks at if the decision below raises
+        script_graph = graph if graph is not None else _default_graph()
+        shadow = _shadow_for(script_graph, config)
+        if shadow is None:
+            init(self, target, graph, config)
+            return
+        init(self, target, shadow.graph, config)
+        self._graph = script_graph
+        self._bnrewrite_shadow = shadow
+
+    @functools.wraps(extend)
+    def _extend_graph(self: Any) -> None:
+        shadow = getattr(self, "_bnrewrite_shadow", None)
+        if shadow is not None:
+            shadow.catch_up(self._graph)
+        extend(self)
+
+    @functools.wraps(do_run)
+    def _do_run(self: Any, handle: Any, target_list: Any, fetch_list: Any, feed_dict: Any, *args: Any) -> Any:
+        shadow = getattr(self, "_bnrewrite_shadow", None)
+        if shadow is not None:
+            shadow.catch_up(self._graph)
+            if shadow.missing:
+                shadow.refuse_missing(op.name for op in target_list)
+                shadow.refuse_missing(t.op.name for t in fetch_list)
+        return do_run(self, handle, target_list, fetch_list, feed_dict, *args)
+
+    base.__init__, base._extend_graph, base._do_run = __init__, _extend_graph, _do_run
+    base._bnrewrite_patched = True
+
+
+def _default_graph() -> Any:
+    from tensorflow.python.framework import ops
+
+    return ops.get_default_graph()
+
+
+def _shadow_for(graph: Any, config: Any) -> Shadow | None:
+    """The shadow a new session on `graph` runs, deciding (rewriting) at the graph's first
+    session, or again at a later one if it ran unchanged and has grown since; None: as it is."""
+    from tensorflow.python.framework import ops
+
+    if not isinstance(graph, ops.Graph):
+        return None
+    with _state.lock:
+        decision = _state.decisions.get(graph)
+        if decision is not None and (decision.shadow is not None or decision.version == graph.version):
+            return decision.shadow
+        options = _state.options
+        if options is None:
+            return None
+        decision = _decide(graph, config, options)
+        _state.decisions[graph] = decision
+        return decision.shadow
+
+
+def _decide(graph: Any, config: Any, options: LiveOptions) -> _Decision:
+    from bnrewrite.api import rewrite_graph
+
+    number = len(_state.records) + 1
+    version = graph.version
+    graph_def = graph.as_graph_def()
+    count = len(graph_def.node)
+    try:
+        result = rewrite_graph(graph_def, in_place=True, if_rewritten="keep", available_gpus=_gpus(config),
+                               **options.rewrite)
+    except IndependentModelsError as exc:
+        return _refused(number, exc, options, version)
+    except NOTHING_TO_SYNC as exc:
+        _record(number, "unchanged", str(exc), None)
+        _note(options, f"graph {number} runs unchanged: {exc}")
+        return _Decision(None, version)
+    except BnRewriteError as exc:
+        return _refused(number, exc, options, version)
+    if result.report.already_rewritten:
+        _record(number, "unchanged", "already rewritten by bnrewrite", result.report)
+        _note(options, f"graph {number} runs unchanged: it was already rewritten by bnrewrite")
+        return _Decision(None, version)
+    shadow = _shadow(count, result)
+    _record(number, "synchronized", "", result.report)
+    report = result.report
+    if options.verbose:
+        _note(options, f"graph {number}: " + report.text().rstrip())
+    else:
+        _note(options, f"graph {number}: " + report.text().splitlines()[0].removeprefix("bnrewrite: ")
+              + "".join(f"; {n}" for n in report.notes))
+    return _Decision(shadow, version)
+
+
+def _refused(number: int, exc: BnRewriteError, options: LiveOptions, version: int) -> _Decision:
+    if options.allow_unsynced:
+        _record(number, "unsynced", str(exc), None)
+        print(f"bnrewrite: warning: graph {number} runs UNSYNCHRONIZED (--allow-unsynced): {exc}",
+              file=sys.stderr, flush=True)
+        return _Decision(None, version)
+    _record(number, "refused", str(exc), None)
+    if options.exit_on_refusal:
+        print(f"bnrewrite: error: graph {number} refused, the script is stopped before its first step: {exc}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(exc.exit_code)
+    raise exc
+
+
+def _record(number: int, outcome: str, why: str, report: Any) -> None:
+    _state.records.append({"graph": number, "outcome": outcome, "why": why,
+                           "report": report.to_dict() if report is not None else None})
+
+
+def _note(options: LiveOptions, text: str) -> None:
+    if not options.quiet:
+        print(f"bnrewrite: {text}", file=sys.stderr, flush=True)
+
+
+def visible_gpus() -> int:
+    """The GPUs TensorFlow sees in this process."""
+    import tensorflow as tf
+
+    return len(tf.config.list_physical_devices("GPU"))
+
+
+def _gpus(config: Any) -> int:
+    """The GPUs a session with `config` gets: the visible ones, capped by its device_count."""
+    count = visible_gpus()
+    if config is not None and "GPU" in config.device_count:
+        count = min(count, config.device_count["GPU"])
+    return count
