@@ -96,10 +96,10 @@ def build(args: argparse.Namespace) -> dict:
 
 
 def train_with_session(args: argparse.Namespace, handles: dict) -> None:
-    saver = tf1.train.Saver()
     config = tf1.ConfigProto(allow_soft_placement=True)
     sess = tf1.Session(config=config)
     sess.run(tf1.global_variables_initializer())  # built after the session, as inception's trainer does
+    saver = tf1.train.Saver()
     writer = tf1.summary.FileWriter(args.train_dir, sess.graph)
     for step in range(args.steps):
         _, loss, summary = sess.run([handles["train_op"], handles["loss"], handles["summaries"]])
