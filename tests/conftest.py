@@ -48,6 +48,10 @@ SLOW_TESTS = (
     "test_kernels.py::test_kernel_path_trains_like_one_device",
     "test_newcomer.py::test_check_help",
     "test_oracle.py::",
+    "test_run.py::test_unmodified_trainers",
+    "test_run.py::test_run_reports_every_graph",
+    "test_run.py::test_refused_graph",
+    "test_run.py::test_ctrl_c",
 )
 #: ... except these oracle cases, which keep one fused and one legacy layer in the fast subset.
 FAST_ORACLE = frozenset({

@@ -1,0 +1,125 @@
+"""enable() and rewrite_graph(g, in_place=True) in process: sessions on the script's own graph
+run the synchronized graph, and every handle of that graph keeps working.
+
+The oracle: tests/models.py's K-tower graph trained through the graph's own handles against one
+device fed K*B (one_device_run), and the same graph without bnrewrite missing it (unrewritten_run).
+"""
+
+import collections
+import dataclasses
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import bnrewrite
+from bnrewrite import AlreadyRewrittenError, BnRewriteError, RemovedByRewriteError, rewrite_graph
+from models import Spec, assert_synced, build_towers, make_batches, one_device_run, session_config, train, unrewritten_run
+
+tf1 = tf.compat.v1
+SPEC = Spec(towers=2, batch=2, layer="legacy")
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def _disabled_after():
+    yield
+    bnrewrite.disable()
+
+
+def test_enable_trains_like_one_device_and_disable_stops(capsys):
+    built = build_towers(SPEC)
+    with bnrewrite.enabled():
+        got = train(built.graph, built, make_batches(SPEC, STEPS), num_devices=SPEC.towers)
+        again = train(built.graph, built, make_batches(SPEC, STEPS), num_devices=SPEC.towers)  # a second session
+    assert_synced("enable()", got, unrewritten_run(SPEC, STEPS), one_device_run(SPEC, STEPS), 1e-5)
+    np.testing.assert_array_equal(again.losses, got.losses)
+    err = capsys.readouterr().err
+    assert err.count("bnrewrite: graph") == 1 and "2 batch-norm layer(s) synchronized across 2 towers" in err
+    fresh = build_towers(SPEC)  # decided after disable(): runs as built
+    plain = train(fresh.graph, fresh, make_batches(SPEC, STEPS), num_devices=SPEC.towers)
+    np.testing.assert_allclose(plain.losses, unrewritten_run(SPEC, STEPS).losses, rtol=1e-6)
+
+
+def test_in_place_sessions_run_the_synchronized_graph():
+    built = build_towers(SPEC)
+    result = rewrite_graph(built.graph, in_place=True)
+    assert result.report.backend == "local" and len(result.report.layers) == 2
+    got = train(built.graph, built, make_batches(SPEC, STEPS), num_devices=SPEC.towers)
+    assert_synced("in_place=True", got, unrewritten_run(SPEC, STEPS), one_device_run(SPEC, STEPS), 1e-5)
+    with pytest.raises(AlreadyRewrittenError, match="already run its synchronized graph"):
+        rewrite_graph(built.graph, in_place=True)
+
+
+def test_in_place_refuses_a_graph_with_a_session_open():
+    built = build_towers(SPEC)
+    sess = tf1.Session(graph=built.graph, config=session_config(2))
+    with pytest.raises(BnRewriteError, match="1 session.* already exist on this graph"):
+        rewrite_graph(built.graph, in_place=True)
+    sess.close()
+    rewrite_graph(built.graph, in_place=True)  # closed: nothing runs it unsynchronized any more
+
+
+Pair = collections.namedtuple("Pair", "loss step")
+
+
+def test_every_handle_keeps_working(tmp_path):
+    built = build_towers(SPEC)
+    graph = built.graph
+    result = rewrite_graph(graph, in_place=True)
+    removed = result.report.removed[0]["node"]
+    (images, labels), = make_batches(SPEC, 1)
+    feed = {}
+    for k, (image_name, label_name) in enumerate(built.inputs):  # by name and by tensor
+        feed[image_name] = images[k * SPEC.batch:(k + 1) * SPEC.batch]
+        feed[graph.get_tensor_by_name(label_name)] = labels[k * SPEC.batch:(k + 1) * SPEC.batch]
+    loss, train_op = graph.get_tensor_by_name(built.loss), graph.get_operation_by_name(built.train_op)
+    with tf1.Session(graph=graph, config=session_config(2)) as sess:
+        assert sess.graph is graph
+        with graph.as_default():
+            init = tf1.global_variables_initializer()  # built after the session exists
+            saver = tf1.train.Saver()
+            doubled = loss * 2.0
+            reads_removed = tf.group(graph.get_operation_by_name(removed))
+        sess.run(init)
+        fetched = sess.run({"pair": Pair(loss, [train_op]), "name": built.loss, "doubled": doubled}, feed)
+        assert fetched["pair"].step == [None] and np.isclose(fetched["doubled"], 2 * fetched["name"])
+        callable_step = sess.make_callable([loss, train_op], feed_list=list(feed))
+        assert callable_step(*feed.values())[0] > 0
+        with pytest.raises(RemovedByRewriteError, match=f"{removed} is not in the synchronized graph"):
+            sess.run(graph.get_operation_by_name(removed))
+        with pytest.raises(RemovedByRewriteError, match="it reads .*the rewrite removed it"):
+            sess.run(reads_removed)
+        path = saver.save(sess, str(tmp_path / "synced.ckpt"))
+        values = sess.run(dict(built.variables))
+    plain = build_towers(SPEC)  # the checkpoint restores into the un-rewritten graph, and back
+    with plain.graph.as_default(), tf1.Session(graph=plain.graph, config=session_config(2)) as sess:
+        tf1.train.Saver().restore(sess, path)
+        restored = sess.run(dict(plain.variables))
+        back = tf1.train.Saver().save(sess, str(tmp_path / "plain.ckpt"))
+    for name, value in values.items():
+        np.testing.assert_array_equal(restored[name], value)
+    with tf1.Session(graph=graph, config=session_config(2)) as sess:
+        saver.restore(sess, back)
+        np.testing.assert_array_equal(sess.run(built.variables["net/bn1/moving_mean"]), values["net/bn1/moving_mean"])
+
+
+def test_graphs_with_nothing_to_synchronize_run_unchanged(capsys):
+    spec = dataclasses.replace(SPEC, towers=1, batch=4)
+    one = build_towers(spec)
+    with bnrewrite.enabled():
+        got = train(one.graph, one, make_batches(spec, STEPS), num_devices=1)
+    expected = train(one.graph, one, make_batches(spec, STEPS), num_devices=1)  # decided once: as built
+    np.testing.assert_array_equal(got.losses, expected.losses)
+    assert "runs unchanged: " in capsys.readouterr().err
+    other = build_towers(spec)
+    with bnrewrite.enabled(quiet=True):
+        train(other.graph, other, make_batches(spec, 1), num_devices=1)
+    assert capsys.readouterr().err == ""
+
+
+def test_enable_checks_its_options_without_a_graph():
+    with pytest.raises(bnrewrite.BackendError, match="unknown backend 'gpu'"):
+        bnrewrite.enable(backend="gpu")
+    with pytest.raises(BnRewriteError, match="group_size='2' is not valid"):
+        bnrewrite.enable(group_size="2")
