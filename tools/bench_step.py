@@ -3,7 +3,7 @@
     python tools/bench_step.py [--towers 4] [--sizes default,large] [--dtypes float32,float16]
                                [--variants unsynced,bnrewrite,model_sync,keras_sync,floor,floor_gated,
                                            bnrewrite_collective,floor_collective,floor_gated_collective,
-                                           bnrewrite_graphdef,bnrewrite_graphdef_collective]
+                                           bnrewrite_graphdef,bnrewrite_graphdef_collective,bnrewrite_run]
                                [--steps 30] [--warmup 5] [--block 2] [--traces 6] [--quick]
 
 One process, K virtual CPU devices (`device_count={"CPU": K}`), one tower per device, the
@@ -13,8 +13,10 @@ model code cannot sum every tower's input in one op), tf_keras's synchronized la
 MirroredStrategy, the floor: the unsynced graph plus bnrewrite's all-reduces with unused
 results, the gated floor: the same with each batch-norm op waiting for its all-reduce (the
 towers meet at every layer as synced ones must, with no arithmetic added), bnrewrite and both
-floors with CollectiveReduceV2, like for like with the model code, and bnrewrite given a bare
-GraphDef (as `bnrewrite convert x.pb` reads it) rather than a tf.Graph, with either backend)
+floors with CollectiveReduceV2, like for like with the model code, bnrewrite given a bare
+GraphDef (as `bnrewrite convert x.pb` reads it) rather than a tf.Graph, with either backend,
+and bnrewrite_run: the unsynced graph in a session made under `bnrewrite.enable()`, as
+`bnrewrite run` makes it, against `bnrewrite` for the per-step cost of running by name)
 are fed the same batches and timed in alternating blocks of steps, so they share the
 machine's load: median wall time per step, and the process's CPU time per step (the steadier
 figure when other processes share the cores). Ratios and differences between variants (the
@@ -181,7 +183,13 @@ class Trainer:
             config.device_count["CPU"] = towers
         else:
             config.gpu_options.allow_growth = True
-        self.session = tf1.Session(graph=self.graph, config=config)
+        if variant.live:
+            import bnrewrite
+
+            with bnrewrite.enabled(quiet=True):
+                self.session = tf1.Session(graph=self.graph, config=config)
+        else:
+            self.session = tf1.Session(graph=self.graph, config=config)
         self.session.run("init")
         self.train_op = self.graph.get_operation_by_name(variant.train_op)
         self.inputs = [(self.graph.get_tensor_by_name(i), self.graph.get_tensor_by_name(l)) for i, l in variant.inputs]

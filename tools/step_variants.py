@@ -37,7 +37,8 @@ import model_sync_bn
 tf1 = tf.compat.v1
 
 VARIANTS = ("unsynced", "bnrewrite", "model_sync", "keras_sync", "floor", "floor_gated", "bnrewrite_collective",
-            "floor_collective", "floor_gated_collective", "bnrewrite_graphdef", "bnrewrite_graphdef_collective")
+            "floor_collective", "floor_gated_collective", "bnrewrite_graphdef", "bnrewrite_graphdef_collective",
+            "bnrewrite_run")
 #: Group key of the floor's all-reduces (bnrewrite uses 0x5B00, model code 0x7E00).
 FLOOR_GROUP_KEY = 0x7F00
 
@@ -66,6 +67,7 @@ class Variant:
     train_op: str = "train_op"
     inputs: list[tuple[str, str]] = field(default_factory=list)
     error: str = ""
+    live: bool = False  # the session is made under bnrewrite.enable(), as `bnrewrite run` makes it
 
 
 def tower_inputs(towers: int) -> list[tuple[str, str]]:
@@ -99,6 +101,8 @@ def build_variants(names: list[str], towers: int, size: Size, dtype: str, device
     for name in names:
         if name == "keras_sync":
             variants.append(keras_sync_variant(towers, size, dtype, device))
+        elif name == "bnrewrite_run":  # the unsynced graph, its session synchronized by enable()
+            variants.append(Variant(name, plain, inputs=tower_inputs(towers), live=True))
         else:
             variants.append(Variant(name, builders[name](), inputs=tower_inputs(towers)))
     return variants
