@@ -66,6 +66,7 @@ class Shadow:
     graph: Any
     copied: int
     missing: dict[str, str]
+    functions: set[str]  # the names of the functions in the shadow's library
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def catch_up(self, script_graph: Any) -> None:
@@ -182,28 +183,64 @@ def _shadow(count: int, result: Any) -> Shadow:
     import tensorflow as tf
 
     shadow_graph = tf.Graph()
-    with shadow_graph.as_default():
-        tf.graph_util.import_graph_def(result.graph_def, name="")
+    _import(shadow_graph, result.graph_def.SerializeToString(), {}, {})
     removed = {r["node"]: f"the rewrite removed it ({r['why']})" for r in result.report.removed}
-    return Shadow(shadow_graph, count, removed)
+    return Shadow(shadow_graph, count, removed, {f.signature.name for f in result.graph_def.library.function})
+
+
+def _import(graph: Any, graph_def: bytes, inputs: dict[str, tuple[Any, int]], controls: dict[str, Any]) -> None:
+    """Import a serialized GraphDef into `graph`'s C graph alone: the session runs that, and the
+    Python Operation objects tf.graph_util.import_graph_def would make (most of its time) are
+    never used. `inputs` maps tensor names the GraphDef reads from outside it to (TF_Operation,
+    output index) of `graph`; `controls`, control inputs from outside to TF_Operations."""
+    from tensorflow.python.client import pywrap_tf_session as c_api
+    from tensorflow.python.framework import c_api_util
+
+    options = c_api_util.ScopedTFImportGraphDefOptions()
+    c_api.TF_ImportGraphDefOptionsSetValidateColocationConstraints(options.options, False)
+    for name, (operation, index) in inputs.items():
+        source, _, source_index = name.partition(":")
+        c_api.TF_ImportGraphDefOptionsAddInputMapping(
+            options.options, source, int(source_index or 0), c_api_util.tf_output(operation, index))
+    for name, operation in controls.items():
+        c_api.TF_ImportGraphDefOptionsRemapControlDependency(options.options, name, operation)
+    buffer = c_api.TF_NewBufferFromString(graph_def)
+    try:
+        with graph._c_graph.get() as c_graph:
+            c_api_util.ScopedTFImportGraphDefResults(
+                c_api.TF_GraphImportGraphDefWithResults(c_graph, buffer, options.options))
+    finally:
+        c_api.TF_DeleteBuffer(buffer)
+
+
+def _operations(graph: Any) -> dict[str, Any]:
+    """Name -> TF_Operation of every op in `graph`'s C graph."""
+    from tensorflow.python.client import pywrap_tf_session as c_api
+
+    found: dict[str, Any] = {}
+    with graph._c_graph.get() as c_graph:
+        position = 0
+        while True:
+            operation, position = c_api.TF_GraphNextOperation(c_graph, position)
+            if operation is None:
+                return found
+            found[c_api.TF_OperationName(operation)] = operation
 
 
 def _copy_ops(operations: list[Any], script_graph: Any, shadow: Shadow) -> None:
-    """Import `operations` (new ops of the script's graph, in creation order) into the shadow.
-    Inputs from outside them map to the shadow's tensors of the same names; control inputs from
-    outside are added after the import (the importer maps data edges only by tensor)."""
+    """Import `operations` (new ops of the script's graph, in creation order) into the shadow,
+    inputs from outside them mapped to the shadow's ops of the same names."""
     from tensorflow.core.framework import graph_pb2
-    from tensorflow.python.framework import importer
 
-    target = shadow.graph
+    existing = _operations(shadow.graph)
     fragment = graph_pb2.GraphDef()
-    fragment.versions.CopyFrom(target.graph_def_versions)
+    fragment.versions.CopyFrom(script_graph.graph_def_versions)
     names = {op.name for op in operations}
-    input_map: dict[str, Any] = {}
-    controls: dict[str, list[str]] = {}
+    inputs: dict[str, tuple[Any, int]] = {}
+    controls: dict[str, Any] = {}
     for op in operations:
         node = op.node_def
-        if node.name in _names(target):
+        if node.name in existing:
             shadow.missing[node.name] = "its name is taken by an op bnrewrite added to the synchronized graph"
             names.discard(node.name)
             continue
@@ -213,32 +250,21 @@ def _copy_ops(operations: list[Any], script_graph: Any, shadow: Shadow) -> None:
             shadow.missing[node.name] = f"it reads {bad}, and {shadow.missing[bad]}"
             names.discard(node.name)
             continue
-        inputs = []
-        for name, source in zip(list(node.input), reads):
+        for name, source in zip(node.input, reads):
             if source in names:
-                inputs.append(name)
-            elif name.startswith("^"):
-                controls.setdefault(node.name, []).append(source)
+                continue
+            if name.startswith("^"):
+                controls[source] = existing[source]
             else:
-                inputs.append(name)
-                input_map[name] = target.get_tensor_by_name(name if ":" in name else f"{name}:0")
-        del node.input[:]
-        node.input.extend(inputs)
+                index = int(name.partition(":")[2] or 0)
+                inputs[f"{source}:{index}"] = (existing[source], index)
         fragment.node.append(node)
-    functions = getattr(script_graph, "_functions", {})
-    for name, function in functions.items():
-        if not target._is_function(name) and hasattr(function, "definition"):
+    for name, function in list(script_graph._functions.items()):
+        if name not in shadow.functions and hasattr(function, "definition"):
             fragment.library.function.append(function.definition)
-    if not fragment.node:
-        return
-    with target.as_default():
-        importer._import_graph_def_internal(fragment, input_map=input_map, name="", validate_colocation_constraints=False)
-    for name, sources in controls.items():
-        target.get_operation_by_name(name)._add_control_inputs([target.get_operation_by_name(s) for s in sources])
-
-
-def _names(graph: Any) -> Any:
-    return graph._nodes_by_name
+            shadow.functions.add(name)
+    if fragment.node:
+        _import(shadow.graph, fragment.SerializeToString(), inputs, controls)
 
 
 def _install() -> None:
