@@ -123,3 +123,19 @@ def test_enable_checks_its_options_without_a_graph():
         bnrewrite.enable(backend="gpu")
     with pytest.raises(BnRewriteError, match="group_size='2' is not valid"):
         bnrewrite.enable(group_size="2")
+
+
+def test_to_graph_adds_no_saver_and_find_maps_one(tmp_path):
+    built = build_towers(SPEC)
+    with built.graph.as_default():
+        saver = tf1.train.Saver(name="mine")
+    result = rewrite_graph(built.graph)
+    graph = result.to_graph()
+    assert not [op.name for op in graph.get_operations() if op.name.startswith("save/")]
+    new_saver, init = result.find(graph, (saver, built.init))
+    with graph.as_default():
+        assert tf1.train.Saver().saver_def.save_tensor_name.startswith("save/")  # the name it would have had
+    with tf1.Session(graph=graph, config=session_config(2)) as sess:
+        sess.run(init)
+        path = new_saver.save(sess, str(tmp_path / "model.ckpt"))
+    assert tf.train.load_checkpoint(path).has_tensor("net/bn1/moving_mean")
