@@ -139,3 +139,29 @@ def test_to_graph_adds_no_saver_and_find_maps_one(tmp_path):
         sess.run(init)
         path = new_saver.save(sess, str(tmp_path / "model.ckpt"))
     assert tf.train.load_checkpoint(path).has_tensor("net/bn1/moving_mean")
+
+
+def _dequeued(graph: tf.Graph, sess: tf1.Session, constant: float) -> float:
+    """What a queue filled by a QueueRunner thread (which runs its enqueue op by handle) gives."""
+    with graph.as_default():
+        queue = tf1.FIFOQueue(4, tf.float32, shapes=[])
+        tf1.train.add_queue_runner(tf1.train.QueueRunner(queue, [queue.enqueue(tf.constant(constant))]))
+        value, close = queue.dequeue(), queue.close(cancel_pending_enqueues=True)
+    coordinator = tf1.train.Coordinator()
+    threads = tf1.train.start_queue_runners(sess, coordinator)
+    got = sess.run(value)
+    coordinator.request_stop()
+    sess.run(close)
+    coordinator.join(threads)
+    return got
+
+
+def test_already_rewritten_graph_runs_unchanged_and_queue_runners_work(capsys):
+    rewritten = rewrite_graph(build_towers(SPEC).graph).to_graph()
+    with bnrewrite.enabled(), tf1.Session(graph=rewritten, config=session_config(2)) as sess:
+        assert _dequeued(rewritten, sess, 7.0) == 7.0
+    assert "runs unchanged: it was already rewritten by bnrewrite" in capsys.readouterr().err
+    graph = build_towers(SPEC).graph
+    rewrite_graph(graph, in_place=True)
+    with tf1.Session(graph=graph, config=session_config(2)) as sess:  # the shadow gets the queue's ops
+        assert _dequeued(graph, sess, 5.0) == 5.0
