@@ -56,6 +56,7 @@ class LiveOptions:
     exit_on_refusal: bool = False
     quiet: bool = False
     verbose: bool = False
+    verify: bool = False  # check the first step of each rewritten graph (bnrewrite.first_step)
 
 
 @dataclass
@@ -67,6 +68,9 @@ class Shadow:
     copied: int
     missing: dict[str, str]
     functions: set[str]  # the names of the functions in the shadow's library
+    number: int = 0  # the graph's number in the messages and records
+    options: LiveOptions = field(default_factory=LiveOptions)
+    first_step: Any = None  # a FirstStep while the first step is to be checked
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def catch_up(self, script_graph: Any) -> None:
@@ -109,18 +113,19 @@ _state = _State()
 def enable(
     *, backend: str = "auto", tower_by: str = "auto", group_size: int | None = None, timeout_seconds: float = 0.0,
     num_workers: int = 1, task_index: int = 0, allow_unsynced: bool = False, quiet: bool = False,
-    verbose: bool = False, exit_on_refusal: bool = False,
+    verbose: bool = False, verify: bool = False, exit_on_refusal: bool = False,
 ) -> None:
     """From now on, every graph-mode session created on a graph with multi-tower training batch
     norm runs the synchronized graph (as under `bnrewrite run`); graphs with nothing to
     synchronize run unchanged, with a note on stderr unless `quiet`. A graph bnrewrite refuses
     raises its error at session creation (`exit_on_refusal`: prints it and exits with its
-    code), or with `allow_unsynced` runs unchanged with a warning. Options: `rewrite_graph`'s."""
+    code), or with `allow_unsynced` runs unchanged with a warning. `verify`: the first step of
+    each rewritten graph is checked layer by layer (docs/run.md). Options: `rewrite_graph`'s."""
     check_arguments(backend, tower_by, group_size, timeout_seconds, num_workers, task_index)
     rewrite = dict(backend=backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds,
                    num_workers=num_workers, task_index=task_index)
     with _state.lock:
-        _state.options = LiveOptions(rewrite, allow_unsynced, exit_on_refusal, quiet, verbose)
+        _state.options = LiveOptions(rewrite, allow_unsynced, exit_on_refusal, quiet, verbose, verify)
         _install()
 
 
@@ -178,14 +183,25 @@ def _open_sessions(graph: Any) -> list[Any]:
     return [o for o in gc.get_referrers(graph) if isinstance(o, BaseSession) and not o._closed]
 
 
-def _shadow(count: int, result: Any) -> Shadow:
-    """The shadow of a graph whose first `count` ops `result` rewrote."""
+def _shadow(count: int, result: Any, number: int = 0, options: LiveOptions | None = None) -> Shadow:
+    """The shadow of a graph whose first `count` ops `result` rewrote. To be verified, it is
+    imported with a Python Operation per node, which the check's ops are built on."""
     import tensorflow as tf
 
+    from bnrewrite.first_step import FirstStep
+
+    options = options or LiveOptions()
     shadow_graph = tf.Graph()
-    _import(shadow_graph, result.graph_def.SerializeToString(), {}, {})
+    first_step = None
+    if options.verify:
+        with shadow_graph.as_default():
+            tf.graph_util.import_graph_def(result.graph_def, name="")
+        first_step = FirstStep.build(shadow_graph, result)
+    else:
+        _import(shadow_graph, result.graph_def.SerializeToString(), {}, {})
     removed = {r["node"]: f"the rewrite removed it ({r['why']})" for r in result.report.removed}
-    return Shadow(shadow_graph, count, removed, {f.signature.name for f in result.graph_def.library.function})
+    functions = {f.signature.name for f in result.graph_def.library.function}
+    return Shadow(shadow_graph, count, removed, functions, number, options, first_step)
 
 
 def _import(graph: Any, graph_def: bytes, inputs: dict[str, tuple[Any, int]], controls: dict[str, Any]) -> None:
@@ -330,17 +346,63 @@ def _patch(module: Any) -> None:
         extend(self)
 
     @functools.wraps(do_run)
-    def _do_run(self: Any, handle: Any, target_list: Any, fetch_list: Any, feed_dict: Any, *args: Any) -> Any:
+    def _do_run(self: Any, handle: Any, target_list: Any, fetch_list: Any, feed_dict: Any, options: Any,
+                run_metadata: Any) -> Any:
         shadow = getattr(self, "_bnrewrite_shadow", None)
         if shadow is not None:
             shadow.catch_up(self._graph)
             if shadow.missing:
                 shadow.refuse_missing(op.name for op in target_list)
                 shadow.refuse_missing(t.op.name for t in fetch_list)
-        return do_run(self, handle, target_list, fetch_list, feed_dict, *args)
+            first = shadow.first_step
+            if (first is not None and handle is None
+                    and first.covers([op.name for op in target_list] + [t.op.name for t in fetch_list])):
+                shadow.first_step = None
+                return _checked_step(self, shadow, first, target_list, fetch_list, feed_dict, options, run_metadata)
+        return do_run(self, handle, target_list, fetch_list, feed_dict, options, run_metadata)
 
     base.__init__, base._extend_graph, base._do_run = __init__, _extend_graph, _do_run
     base._bnrewrite_patched = True
+
+
+def _checked_step(session: Any, shadow: Shadow, first: Any, target_list: Any, fetch_list: Any, feed_dict: Any,
+                  options: Any, run_metadata: Any) -> list[Any]:
+    """The script's run, as BaseSession._do_run makes it, with the first step's check around it."""
+    from bnrewrite.errors import PassError
+
+    feeds = {t.deref()._as_tf_output(): v for t, v in feed_dict.items()}
+    fetches = [t._as_tf_output() for t in fetch_list]
+    targets = [op._c_op for op in target_list]
+
+    def step(extra: list[Any]) -> list[Any]:
+        def run() -> list[Any]:
+            session._extend_graph()
+            return session._call_tf_sessionrun(options, feeds, fetches + extra, targets, run_metadata)
+
+        return session._do_call(run)
+
+    try:
+        values, verdict = first.run(session, step)
+    except PassError as exc:
+        _record_verdict(shadow.number, {"passed": False, "error": str(exc)})
+        if shadow.options.exit_on_refusal:
+            print(f"bnrewrite: error: graph {shadow.number}: the first step failed its check, the script is stopped: "
+                  f"{exc}", file=sys.stderr, flush=True)
+            raise SystemExit(exc.exit_code) from None
+        raise
+    _record_verdict(shadow.number, {"passed": True, **verdict.to_dict()})
+    _note(shadow.options, f"graph {shadow.number}: {verdict.line()}")
+    if shadow.options.verbose:
+        for layer in verdict.layers:
+            _note(shadow.options, f"graph {shadow.number}:   {layer.line()}")
+    return values
+
+
+def _record_verdict(number: int, verdict: dict[str, Any]) -> None:
+    with _state.lock:
+        for record in _state.records:
+            if record["graph"] == number:
+                record["verify"] = verdict
 
 
 def _default_graph() -> Any:
@@ -390,7 +452,7 @@ def _decide(graph: Any, config: Any, options: LiveOptions) -> _Decision:
         _record(number, "unchanged", "already rewritten by bnrewrite", result.report)
         _note(options, f"graph {number} runs unchanged: it was already rewritten by bnrewrite")
         return _Decision(None, version)
-    shadow = _shadow(count, result)
+    shadow = _shadow(count, result, number, options)
     _record(number, "synchronized", "", result.report)
     report = result.report
     if options.verbose:

@@ -94,6 +94,7 @@ RUN_EPILOG = """\
 examples:
   bnrewrite run train.py --num_gpus 4
   bnrewrite run --backend local --report run.json train.py --num_gpus 4
+  bnrewrite run --verify train.py --num_gpus 4
   bnrewrite run -m trainer.main --config cfg.yaml
 
 SCRIPT runs exactly as `python SCRIPT ARGS` would (argv, __main__, sys.path[0], its exit
@@ -204,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     _rewrite_options(run, tags=False)
     run.add_argument("--allow-unsynced", action="store_true",
                      help="run a graph bnrewrite refuses as it is, with a warning, instead of stopping the script")
+    run.add_argument("--verify", action="store_true",
+                     help="check the first step of each synchronized graph layer by layer (global moments, every tower's "
+                          "output, moving statistics updated once); a failure stops the script with exit 12")
     run.add_argument("--report", metavar="FILE.json", help="write every graph's outcome and report to FILE.json at the end")
     run.add_argument("--force", action="store_true", help="replace --report's file if it exists")
     _verbosity(run)

@@ -57,7 +57,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise OutputError(f"--report {args.report} exists; choose another path or add --force to replace it")
     live.enable(backend=args.backend, tower_by=args.tower_by, group_size=args.group_size,
                 timeout_seconds=args.timeout, num_workers=args.workers, task_index=args.task_index or 0,
-                allow_unsynced=args.allow_unsynced, quiet=args.quiet, verbose=args.verbose, exit_on_refusal=True)
+                allow_unsynced=args.allow_unsynced, quiet=args.quiet, verbose=args.verbose, verify=args.verify,
+                exit_on_refusal=True)
     try:
         return _run_script(args)
     finally:
