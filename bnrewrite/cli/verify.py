@@ -13,7 +13,7 @@ import time
 from bnrewrite.cli.document import json_report
 from bnrewrite.cli.output import Printer, print_note
 from bnrewrite.cli.tf import import_tensorflow
-from bnrewrite.errors import BackendError
+from bnrewrite.errors import BackendError, BnRewriteError
 
 #: How long a collective all-reduce (towers inside control flow v2) may wait for its peers.
 COLLECTIVE_TIMEOUT = 60.0
@@ -50,6 +50,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             out.line(f"{where + ': ' if where else ''}not verified: {outcome.kept}")
             continue
         verdict = run_step(outcome.result, outcome.report, checkpoint, args.batch, args.step)
+        if not verdict.layers:
+            raise BnRewriteError(f"{where + ': ' if where else ''}no synced layer can be checked: all "
+                                 f"{len(verdict.not_checked)} are inside function bodies (control flow v2), whose "
+                                 "tensors cannot be fetched; build the graph with tf.compat.v1.disable_control_flow_v2()")
         verdicts[outcome.entry.index] = verdict
         out.line(verdict.line(where))
         for layer in verdict.layers:
