@@ -4,8 +4,8 @@ statistics and moved each moving statistic exactly once toward them.
 `build` adds check ops under `bnrewrite_verify/` to a tf.Graph holding the rewritten graph; they
 share no op with the rewrite's and write no variable. Per layer and tower they compute, on the
 tower's device, float64 per-channel sums of x and x^2 and the element count (from the layer's
-input), and the largest |y - y_hat| relative to the size of its terms, with y_hat computed in
-float64 from x, gamma, beta, epsilon and the global moments the rewrite made. The caller fetches
+input), and per channel the largest |y - y_hat| relative to the largest of its terms, with
+y_hat computed in float64 from x, gamma, beta, epsilon and the global moments the rewrite made. The caller fetches
 `before` (moving statistics) in a read-only run, `step` with its real training step in the same
 run, and `after` in a read-only run; `evaluate` then checks in numpy (float64) that the rewrite's
 global moments are those of all towers' inputs together, every tower's output matches, and each
@@ -199,7 +199,8 @@ def _tower_ops(graph: Any, row: LayerRow, tensors: Any) -> _Tower:
             y_hat = (x64 - mean) * rstd * gamma + beta
             size = (tf.abs(x64) + tf.abs(mean)) * rstd * tf.abs(gamma) + tf.abs(beta) + _TINY
             y = tf.cast(_tensor(graph, tensors.y), tf.float64)
-            error = tf.reduce_max(tf.abs(y - y_hat) / size).name
+            worst = tf.reduce_max(tf.abs(y - y_hat), row.reduce_axes) / tf.reduce_max(size, row.reduce_axes)
+            error = tf.reduce_max(worst).name
         flat = [-1]
         return _Tower(tensors.tower, tf.reshape(sums, flat).name, tf.reshape(squares, flat).name, count.name, error,
                       _tensor(graph, tensors.mean).name, _tensor(graph, tensors.variance).name)
@@ -251,7 +252,8 @@ def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any],
                    moments_tolerance, "the global variance, relative")]
         if t.error:
             checks.append(("output", float(value[t.error]), y_tolerance,
-                           "the output y against gamma * (x - mean) / sqrt(var + eps) + beta in float64, relative to its terms"))
+                           "the output y against gamma * (x - mean) / sqrt(var + eps) + beta in float64, relative to the "
+                           "channel's largest term"))
         for name, figure, tolerance, what in checks:
             _require(figure <= tolerance, f"layer {row.layer}, tower {t.tower}: {what} is off by {figure:.2e} "
                                           f"(allowed {tolerance:.1e})")
