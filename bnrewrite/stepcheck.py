@@ -69,8 +69,6 @@ class _Layer:
     row: LayerRow
     towers: tuple[_Tower, ...]
     updates: tuple[_Update, ...]
-    epsilon: float
-    dtype_eps: float
 
 
 @dataclass
@@ -97,7 +95,8 @@ class Verdict:
 
     def line(self, where: str = "") -> str:
         head = f"verified {len(self.layers)} layers x {len(self.towers)} towers on {_devices(self.towers)}"
-        line = f"{head}{' (' + where + ')' if where else ''}: worst {self.worst:.1e} ({self.worst_at}), moving statistics updated once"
+        moving = "moving statistics updated once" if any(v.updates for v in self.layers) else "no moving statistics updated"
+        line = f"{head}{' (' + where + ')' if where else ''}: worst {self.worst:.1e} ({self.worst_at}), {moving}"
         if self.not_checked:
             line += f"; {len(self.not_checked)} layer(s) not checked (inside function bodies: {', '.join(self.not_checked)})"
         return line
@@ -158,7 +157,7 @@ def build(graph: Any, report: Report) -> StepCheck:
                 step.extend(n for n in (tower.sums, tower.squares, tower.count, tower.error, tower.mean, tower.variance) if n)
             updates = []
             names = {u.node for u in row.moving}
-            for j, moving in enumerate(row.moving):
+            for moving in row.moving:
                 op = graph.get_operation_by_name(moving.node)
                 if moving.variable not in reads:
                     with tf.name_scope(f"read_{len(reads)}"):
@@ -167,8 +166,7 @@ def build(graph: Any, report: Report) -> StepCheck:
                 updates.append(_Update(moving.node, moving.variable, moving.statistic, _FORMS[op.type], op.inputs[1].name,
                                        reads[moving.variable], _derived(op, names - {moving.node})))
                 step.append(op.inputs[1].name)
-            dtype_eps = EPSILON.get(row.dtype, EPSILON["float"])
-            layers.append(_Layer(row, tuple(towers), tuple(updates), row.epsilon, dtype_eps))
+            layers.append(_Layer(row, tuple(towers), tuple(updates)))
     step = list(dict.fromkeys(step))
     return StepCheck(before, step, list(before), list(report.towers), layers, not_checked)
 
@@ -189,18 +187,19 @@ def _tower_ops(graph: Any, row: LayerRow, tensors: Any) -> _Tower:
         count = tf.cast(tf.size(x, out_type=tf.int64), tf.float64) / tf.cast(tf.size(sums, out_type=tf.int64), tf.float64)
         error = ""
         if tensors.y:
-            shape = tf.shape(sums)
+            shape = sums.shape.as_list() if sums.shape.is_fully_defined() else tf.shape(sums)
 
             def channel(name: str, default: float) -> Any:
                 return tf.reshape(tf.cast(_tensor(graph, name), tf.float64), shape) if name else tf.constant(default, tf.float64)
 
-            rstd = tf.math.rsqrt(channel(tensors.variance, 0.0) + row.epsilon)
             mean, gamma, beta = channel(tensors.mean, 0.0), channel(tensors.scale, 1.0), channel(tensors.offset, 0.0)
-            y_hat = (x64 - mean) * rstd * gamma + beta
-            size = (tf.abs(x64) + tf.abs(mean)) * rstd * tf.abs(gamma) + tf.abs(beta) + _TINY
+            gain = tf.math.rsqrt(channel(tensors.variance, 0.0) + row.epsilon) * gamma
+            # x * gain + (beta - mean * gain): in float64 the cancellation stays near 1e-13 even at |mean|/std = 1000
             y = tf.cast(_tensor(graph, tensors.y), tf.float64)
-            worst = tf.reduce_max(tf.abs(y - y_hat), row.reduce_axes) / tf.reduce_max(size, row.reduce_axes)
-            error = tf.reduce_max(worst).name
+            worst = tf.reduce_max(tf.abs(x64 * gain + (beta - mean * gain) - y), row.reduce_axes, keepdims=True)
+            largest = tf.reduce_max(tf.abs(x64), row.reduce_axes, keepdims=True)
+            size = (largest + tf.abs(mean)) * tf.abs(gain) + tf.abs(beta) + _TINY  # the largest term, per channel
+            error = tf.reduce_max(worst / size).name
         flat = [-1]
         return _Tower(tensors.tower, tf.reshape(sums, flat).name, tf.reshape(squares, flat).name, count.name, error,
                       _tensor(graph, tensors.mean).name, _tensor(graph, tensors.variance).name)
@@ -241,14 +240,14 @@ def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any],
     mean = sums / total
     variance = np.maximum(squares / total - mean**2, 0.0)
     moments_tolerance = ULPS * EPSILON["float"]
-    y_tolerance = moments_tolerance + DTYPE_ULPS * layer.dtype_eps
+    y_tolerance = moments_tolerance + DTYPE_ULPS * EPSILON.get(row.dtype, EPSILON["float"])
     figures = {"mean": 0.0, "variance": 0.0}
     unchecked = [] if all(t.error for t in layer.towers) else ["output not checked (not tf.nn.batch_normalization's)"]
     for t in layer.towers:
-        std = np.sqrt(variance + layer.epsilon) + _TINY
+        std = np.sqrt(variance + row.epsilon) + _TINY
         checks = [("mean", np.max(np.abs(value[t.mean] - mean) / std), moments_tolerance,
                    "the global mean, relative to the standard deviation"),
-                  ("variance", np.max(np.abs(value[t.variance] - variance) / (variance + layer.epsilon + _TINY)),
+                  ("variance", np.max(np.abs(value[t.variance] - variance) / (variance + row.epsilon + _TINY)),
                    moments_tolerance, "the global variance, relative")]
         if t.error:
             checks.append(("output", float(value[t.error]), y_tolerance,
@@ -260,7 +259,7 @@ def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any],
             figures[name] = max(figures.get(name, 0.0), float(figure))
     statistics = {"mean": [("mean", mean)],
                   "variance": [("unbiased variance", variance * total / max(total - 1.0, 1.0)), ("variance", variance),
-                               ("standard deviation", np.sqrt(variance + layer.epsilon))]}
+                               ("standard deviation", np.sqrt(variance + row.epsilon))]}
     updates = []
     for u in layer.updates:
         old = np.asarray(before[u.read], np.float64)

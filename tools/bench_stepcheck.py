@@ -45,22 +45,28 @@ def session(graph_def: tf1.GraphDef, report, towers: int, checked: bool) -> tupl
     return sess, check
 
 
-def steps(sess: tf1.Session, check: stepcheck.StepCheck | None, feeds: list[dict]) -> tuple[list[float], int, str]:
-    """Wall seconds of each step (the reads before and after and the evaluation included when
-    checked), the bytes the check fetched and its verdict's line."""
-    times, fetched, line = [], 0, ""
+def steps(sess: tf1.Session, check: stepcheck.StepCheck | None, feeds: list[dict]) -> tuple[list[float], list[float], int, str]:
+    """Wall seconds of each step (the train op, with the check's fetches when checked), of the
+    reads before and after it and the evaluation (checked only), the bytes the check fetched and
+    its verdict's line."""
+    times, around, fetched, line = [], [], 0, ""
     for feed in feeds:
-        start = time.perf_counter()
         if check is None:
+            start = time.perf_counter()
             sess.run("train_op", feed)
-        else:
-            before = sess.run(check.before)
-            values = sess.run(["train_op"] + check.step, feed)[1:]
-            after = sess.run(check.after)
-            line = check.evaluate(before, values, after).line()
-            fetched = sum(np.asarray(v).nbytes for v in (*before, *values, *after))
-        times.append(time.perf_counter() - start)
-    return times, fetched, line
+            times.append(time.perf_counter() - start)
+            continue
+        start = time.perf_counter()
+        before = sess.run(check.before)
+        middle = time.perf_counter()
+        values = sess.run(["train_op"] + check.step, feed)[1:]
+        end = time.perf_counter()
+        after = sess.run(check.after)
+        line = check.evaluate(before, values, after).line()
+        times.append(end - middle)
+        around.append(time.perf_counter() - end + middle - start)
+        fetched = sum(np.asarray(v).nbytes for v in (*before, *values, *after))
+    return times, around, fetched, line
 
 
 def main() -> None:
@@ -79,22 +85,24 @@ def main() -> None:
              for batch in make_batches(args.towers, size, 1 + args.steps, seed=0)]
     first: dict[bool, list[float]] = {False: [], True: []}
     later: dict[bool, list[float]] = {False: [], True: []}
+    around: list[float] = []
     fetched, verdict = 0, ""
     for _ in range(args.repeats):
         for checked in (False, True):
             sess, check = session(result.graph_def, result.report, args.towers, checked)
-            times, bytes_fetched, line = steps(sess, check, feeds)
-            fetched = bytes_fetched or fetched
+            times, reads, bytes_fetched, line = steps(sess, check, feeds)
             sess.close()
-            verdict = line or verdict
+            fetched, verdict = bytes_fetched or fetched, line or verdict
             first[checked].append(times[0])
             later[checked].extend(times[1:])
+            around.extend(reads[:1])
     activations = 2 * 4 * size.batch * size.image**2 * size.channels * len(result.report.layers) * args.towers
     print(f"{size}, {args.towers} towers, {len(result.report.layers)} synced layers, {args.repeats} repeats")
     for checked in (False, True):
         label = "with the check" if checked else "without"
         print(f"  {label:15} first step {statistics.median(first[checked]):.3f} s, "
               f"later steps {statistics.median(later[checked]) * 1e3:.1f} ms")
+    print(f"  reads before and after the first step and the evaluation: {statistics.median(around):.3f} s")
     print(f"  {verdict}")
     print(f"  fetched by the check: {fetched} bytes; every layer's x and y in float32 would be {activations} bytes")
 

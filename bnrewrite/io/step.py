@@ -173,6 +173,9 @@ def _initialize(sess: Any, graph: Any, needed: list[Any], checkpoint: str | None
                                  "give a checkpoint prefix (the path before .index)") from None
         shapes = reader.get_variable_to_shape_map()
         held = {op.name: reader.get_tensor(op.name) for op in variables if op.name in shapes}
+        if variables and not held:
+            raise BnRewriteError(f"--checkpoint {checkpoint} holds none of the step's {len(variables)} variables "
+                                 f"(e.g. {variables[0].name}); give the checkpoint this graph's Saver wrote")
     initializers = [f"{op.name}/Assign" for op in variables if _has(graph, f"{op.name}/Assign")]
     lacking = [op.name for op in variables if op.name not in held and not _has(graph, f"{op.name}/Assign")]
     if lacking:
