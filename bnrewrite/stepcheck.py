@@ -3,9 +3,9 @@ statistics and moved each moving statistic exactly once toward them.
 
 `build` adds check ops under `bnrewrite_verify/` to a tf.Graph holding the rewritten graph; they
 share no op with the rewrite's and write no variable. Per layer and tower they compute, on the
-tower's device, float64 per-channel sums of x and x^2 and the element count (from the layer's
-input), and per channel the largest |y - y_hat| relative to the largest of its terms, with
-y_hat computed in float64 from x, gamma, beta, epsilon and the global moments the rewrite made. The caller fetches
+tower's device, float64 per-channel sums of x and x^2 (from the layer's input), max |x|, and
+max |y - y_hat| with y_hat computed in float64 from x, gamma, beta, epsilon and the global
+moments the rewrite made; the output's figure is that over the channel's largest term. The caller fetches
 `before` (moving statistics) in a read-only run, `step` with its real training step in the same
 run, and `after` in a read-only run; `evaluate` then checks in numpy (float64) that the rewrite's
 global moments are those of all towers' inputs together, every tower's output matches, and each
@@ -44,13 +44,18 @@ _TINY = 1e-30
 
 @dataclass(frozen=True)
 class _Tower:
+    """Names of what one tower's check fetches (per channel unless said), and its count."""
+
     tower: str
-    sums: str
-    squares: str
-    count: str
-    error: str  # "" when the layer's output was not found
-    mean: str
+    sums: str  # of x
+    squares: str  # of x^2
+    count: str | float  # elements per channel: a number when x's static shape tells it
+    mean: str  # the rewrite's global mean and biased variance
     variance: str
+    largest: str  # max |x|; "" when the layer's output was not found, and so the next three
+    worst: str  # max |y - y_hat|
+    scale: str  # "" when none
+    offset: str
 
 
 @dataclass(frozen=True)
@@ -154,7 +159,8 @@ def build(graph: Any, report: Report) -> StepCheck:
                 with tf.name_scope(f"layer_{index}/tower_{k}"):
                     tower = _tower_ops(graph, row, tensors)
                 towers.append(tower)
-                step.extend(n for n in (tower.sums, tower.squares, tower.count, tower.error, tower.mean, tower.variance) if n)
+                step.extend(n for n in (tower.sums, tower.squares, tower.count, tower.mean, tower.variance, tower.largest,
+                                        tower.worst, tower.scale, tower.offset) if isinstance(n, str) and n)
             updates = []
             names = {u.node for u in row.moving}
             for moving in row.moving:
@@ -176,33 +182,37 @@ def _tensor(graph: Any, name: str) -> Any:
 
 
 def _tower_ops(graph: Any, row: LayerRow, tensors: Any) -> _Tower:
-    """This tower's sums of x and x^2, its count, and its output's largest relative error."""
+    """This tower's check ops: few, as Grappler's time on the first step grows with the nodes."""
     import tensorflow as tf
 
     x = _tensor(graph, tensors.x)
     with tf.device(x.device):
+        axes = tf.constant(row.reduce_axes)
         x64 = tf.cast(x, tf.float64)
-        sums = tf.reduce_sum(x64, row.reduce_axes, keepdims=True)
-        squares = tf.reduce_sum(tf.square(x64), row.reduce_axes, keepdims=True)
-        count = tf.cast(tf.size(x, out_type=tf.int64), tf.float64) / tf.cast(tf.size(sums, out_type=tf.int64), tf.float64)
-        error = ""
+        sums = tf.reduce_sum(x64, axes, keepdims=True)
+        squares = tf.reduce_sum(tf.square(x64), axes, keepdims=True)
+        if x.shape.is_fully_defined() and sums.shape.is_fully_defined():
+            count: str | float = x.shape.num_elements() / sums.shape.num_elements()
+        else:
+            count = (tf.cast(tf.size(x, out_type=tf.int64), tf.float64) / tf.cast(tf.size(sums, out_type=tf.int64), tf.float64)).name
+        largest = worst = ""
         if tensors.y:
-            shape = sums.shape.as_list() if sums.shape.is_fully_defined() else tf.shape(sums)
+            channels_last = sums.shape.is_fully_defined() and sums.shape[-1] == sums.shape.num_elements()
 
             def channel(name: str, default: float) -> Any:
-                return tf.reshape(tf.cast(_tensor(graph, name), tf.float64), shape) if name else tf.constant(default, tf.float64)
+                value = tf.cast(_tensor(graph, name), tf.float64) if name else tf.constant(default, tf.float64)
+                return value if channels_last or not name else tf.reshape(value, tf.shape(sums))
 
             mean, gamma, beta = channel(tensors.mean, 0.0), channel(tensors.scale, 1.0), channel(tensors.offset, 0.0)
             gain = tf.math.rsqrt(channel(tensors.variance, 0.0) + row.epsilon) * gamma
-            # x * gain + (beta - mean * gain): in float64 the cancellation stays near 1e-13 even at |mean|/std = 1000
+            # x * gain + (beta - mean * gain): in float64 its cancellation stays near 1e-13 even at |mean|/std = 1000
             y = tf.cast(_tensor(graph, tensors.y), tf.float64)
-            worst = tf.reduce_max(tf.abs(x64 * gain + (beta - mean * gain) - y), row.reduce_axes, keepdims=True)
-            largest = tf.reduce_max(tf.abs(x64), row.reduce_axes, keepdims=True)
-            size = (largest + tf.abs(mean)) * tf.abs(gain) + tf.abs(beta) + _TINY  # the largest term, per channel
-            error = tf.reduce_max(worst / size).name
-        flat = [-1]
-        return _Tower(tensors.tower, tf.reshape(sums, flat).name, tf.reshape(squares, flat).name, count.name, error,
-                      _tensor(graph, tensors.mean).name, _tensor(graph, tensors.variance).name)
+            worst = tf.reduce_max(tf.abs(x64 * gain + (beta - mean * gain) - y), axes, keepdims=True).name
+            largest = tf.reduce_max(tf.abs(x64), axes, keepdims=True).name
+    return _Tower(tensors.tower, sums.name, squares.name, count, _tensor(graph, tensors.mean).name,
+                  _tensor(graph, tensors.variance).name, largest, worst,
+                  _tensor(graph, tensors.scale).name if tensors.scale and tensors.y else "",
+                  _tensor(graph, tensors.offset).name if tensors.offset and tensors.y else "")
 
 
 def _read(graph: Any, variable: str) -> str:
@@ -233,8 +243,8 @@ def _derived(op: Any, others: set[str]) -> bool:
 
 def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any], after: dict[str, Any]) -> LayerVerdict:
     row = layer.row
-    value = {name: np.asarray(v, np.float64) for name, v in step.items()}
-    total = sum(float(value[t.count]) for t in layer.towers)
+    value = {name: np.asarray(v, np.float64).reshape(-1) for name, v in step.items()}
+    total = sum(float(value[t.count][0]) if isinstance(t.count, str) else t.count for t in layer.towers)
     sums = sum(value[t.sums] for t in layer.towers)
     squares = sum(value[t.squares] for t in layer.towers)
     mean = sums / total
@@ -242,15 +252,15 @@ def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any],
     moments_tolerance = ULPS * EPSILON["float"]
     y_tolerance = moments_tolerance + DTYPE_ULPS * EPSILON.get(row.dtype, EPSILON["float"])
     figures = {"mean": 0.0, "variance": 0.0}
-    unchecked = [] if all(t.error for t in layer.towers) else ["output not checked (not tf.nn.batch_normalization's)"]
+    unchecked = [] if all(t.worst for t in layer.towers) else ["output not checked (not tf.nn.batch_normalization's)"]
     for t in layer.towers:
         std = np.sqrt(variance + row.epsilon) + _TINY
         checks = [("mean", np.max(np.abs(value[t.mean] - mean) / std), moments_tolerance,
                    "the global mean, relative to the standard deviation"),
                   ("variance", np.max(np.abs(value[t.variance] - variance) / (variance + row.epsilon + _TINY)),
                    moments_tolerance, "the global variance, relative")]
-        if t.error:
-            checks.append(("output", float(value[t.error]), y_tolerance,
+        if t.worst:
+            checks.append(("output", _output_error(value, t, row.epsilon), y_tolerance,
                            "the output y against gamma * (x - mean) / sqrt(var + eps) + beta in float64, relative to the "
                            "channel's largest term"))
         for name, figure, tolerance, what in checks:
@@ -280,6 +290,15 @@ def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any],
         figures["moving"] = max(figures["moving"], residual)
         updates.append(f"{_short(u.variable)} once toward the global {name} (factor {factor:.3g})")
     return LayerVerdict(row.layer, len(layer.towers), figures, updates, unchecked)
+
+
+def _output_error(value: dict[str, np.ndarray], t: _Tower, epsilon: float) -> float:
+    """max |y - y_hat| per channel over the largest term of y_hat, (max |x| + |mean|) * |gain| + |beta|,
+    the largest of those ratios."""
+    gain = value[t.scale] if t.scale else 1.0
+    gain = gain / np.sqrt(value[t.variance] + epsilon)
+    beta = np.abs(value[t.offset]) if t.offset else 0.0
+    return float(np.max(value[t.worst] / ((value[t.largest] + np.abs(value[t.mean])) * np.abs(gain) + beta + _TINY)))
 
 
 def _best(old: np.ndarray, written: np.ndarray, candidates: list[tuple[str, np.ndarray]]) -> tuple[float, float, str]:
