@@ -30,7 +30,7 @@ SCOPE = "bnrewrite_verify"
 EPSILON = {"float": 2.0**-23, "half": 2.0**-10, "bfloat16": 2.0**-7, "double": 2.0**-52}
 #: A figure may reach this many float32 epsilons (rounding in a few float32 ops, the rewrite's
 #: float32 moments against float64 ones: 1-3 measured), the output also this many of its own
-#: dtype's (x and y rounded to it: 0.5 measured in float16 and bfloat16).
+#: dtype's (x and y rounded to it: 0.4 measured in float16 and bfloat16).
 ULPS = 16
 DTYPE_ULPS = 2
 #: Ops whose value input an update writes as it is, subtracts or adds.
