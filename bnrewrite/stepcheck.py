@@ -6,8 +6,9 @@ share no op with the rewrite's and write no variable. Per layer and tower they c
 tower's device, float64 per-channel sums of x and x^2 (from the layer's input), max |x|, and
 max |y - y_hat| with y_hat computed in float64 from x, gamma, beta, epsilon and the global
 moments the rewrite made; the output's figure is that over the channel's largest term. The caller fetches
-`before` (moving statistics) in a read-only run, `step` with its real training step in the same
-run, and `after` in a read-only run; `evaluate` then checks in numpy (float64) that the rewrite's
+`before` (moving statistics; reference variables' gamma and beta) in a read-only run, `step`
+with its real training step in the same run (fed `feed(before values)`), and `after` in a
+read-only run; `evaluate` then checks in numpy (float64) that the rewrite's
 global moments are those of all towers' inputs together, every tower's output matches, and each
 moving statistic equals one application of its kept update, which moves it by one factor for
 all channels toward the global statistic. Only a few numbers per layer leave the devices.
@@ -125,6 +126,14 @@ class StepCheck:
     towers: list[str]
     layers: list[_Layer]
     not_checked: list[str]
+    #: placeholder of the check -> the `before` read it is fed: a reference variable's value as the
+    #: step's forward pass read it (its read aliases the buffer the step's optimizer updates)
+    snapshots: dict[str, str] = field(default_factory=dict)
+
+    def feed(self, before_values: Sequence[Any]) -> dict[str, Any]:
+        """What to add to the step's feed, from the values of the `before` run."""
+        before = dict(zip(self.before, before_values))
+        return {placeholder: before[read] for placeholder, read in self.snapshots.items()}
 
     def evaluate(self, before_values: Sequence[Any], step_values: Sequence[Any], after_values: Sequence[Any]) -> Verdict:
         """Raises PassError naming the layer, tower and figure of the first check that fails."""
@@ -149,6 +158,7 @@ def build(graph: Any, report: Report) -> StepCheck:
     step: list[str] = []
     layers, not_checked = [], []
     reads: dict[str, str] = {}
+    snapshots: dict[str, str] = {}
     with graph.as_default(), tf.name_scope(SCOPE + "/"):
         for index, row in enumerate(report.layers):
             if not any(t.x for t in row.tensors):
@@ -157,7 +167,7 @@ def build(graph: Any, report: Report) -> StepCheck:
             towers = []
             for k, tensors in enumerate(row.tensors):
                 with tf.name_scope(f"layer_{index}/tower_{k}"):
-                    tower = _tower_ops(graph, row, tensors)
+                    tower = _tower_ops(graph, row, tensors, snapshots)
                 towers.append(tower)
                 step.extend(n for n in (tower.sums, tower.squares, tower.count, tower.mean, tower.variance, tower.largest,
                                         tower.worst, tower.scale, tower.offset) if isinstance(n, str) and n)
@@ -174,18 +184,22 @@ def build(graph: Any, report: Report) -> StepCheck:
                 step.append(op.inputs[1].name)
             layers.append(_Layer(row, tuple(towers), tuple(updates)))
     step = list(dict.fromkeys(step))
-    return StepCheck(before, step, list(before), list(report.towers), layers, not_checked)
+    after = list(before)
+    before.extend(dict.fromkeys(snapshots.values()))
+    return StepCheck(before, step, after, list(report.towers), layers, not_checked, snapshots)
 
 
 def _tensor(graph: Any, name: str) -> Any:
     return graph.get_tensor_by_name(name if ":" in name else name + ":0")
 
 
-def _tower_ops(graph: Any, row: LayerRow, tensors: Any) -> _Tower:
-    """This tower's check ops: few, as Grappler's time on the first step grows with the nodes."""
+def _tower_ops(graph: Any, row: LayerRow, tensors: Any, snapshots: dict[str, str]) -> _Tower:
+    """This tower's check ops: few, as Grappler's time on the first step grows with the nodes.
+    `snapshots` gets the placeholders standing for reference variables' reads."""
     import tensorflow as tf
 
     x = _tensor(graph, tensors.x)
+    scale, offset = (_snapshot(graph, name, snapshots) if name and tensors.y else "" for name in (tensors.scale, tensors.offset))
     with tf.device(x.device):
         axes = tf.constant(row.reduce_axes)
         x64 = tf.cast(x, tf.float64)
@@ -203,16 +217,33 @@ def _tower_ops(graph: Any, row: LayerRow, tensors: Any) -> _Tower:
                 value = tf.cast(_tensor(graph, name), tf.float64) if name else tf.constant(default, tf.float64)
                 return value if channels_last or not name else tf.reshape(value, tf.shape(sums))
 
-            mean, gamma, beta = channel(tensors.mean, 0.0), channel(tensors.scale, 1.0), channel(tensors.offset, 0.0)
+            mean, gamma, beta = channel(tensors.mean, 0.0), channel(scale, 1.0), channel(offset, 0.0)
             gain = tf.math.rsqrt(channel(tensors.variance, 0.0) + row.epsilon) * gamma
             # x * gain + (beta - mean * gain): in float64 its cancellation stays near 1e-13 even at |mean|/std = 1000
             y = tf.cast(_tensor(graph, tensors.y), tf.float64)
             worst = tf.reduce_max(tf.abs(x64 * gain + (beta - mean * gain) - y), axes, keepdims=True).name
             largest = tf.reduce_max(tf.abs(x64), axes, keepdims=True).name
     return _Tower(tensors.tower, sums.name, squares.name, count, _tensor(graph, tensors.mean).name,
-                  _tensor(graph, tensors.variance).name, largest, worst,
-                  _tensor(graph, tensors.scale).name if tensors.scale and tensors.y else "",
-                  _tensor(graph, tensors.offset).name if tensors.offset and tensors.y else "")
+                  _tensor(graph, tensors.variance).name, largest, worst, scale, offset)
+
+
+def _snapshot(graph: Any, name: str, snapshots: dict[str, str]) -> str:
+    """`name`, or for a read of a reference variable (whose buffer the step's optimizer may
+    update before the check's op reads it) a placeholder fed that variable's value read before
+    the step."""
+    import tensorflow as tf
+
+    tensor = _tensor(graph, name)
+    source = tensor.op
+    while source.type in ("Identity", "RefIdentity") and source.inputs:
+        source = source.inputs[0].op
+    if source.type not in ("VariableV2", "Variable"):
+        return tensor.name
+    with tf.device(source.device):
+        read = tf.identity(source.outputs[0]).name
+    placeholder = tf.compat.v1.placeholder(tensor.dtype.base_dtype, tensor.shape).name
+    snapshots[placeholder] = read
+    return placeholder
 
 
 def _read(graph: Any, variable: str) -> str:

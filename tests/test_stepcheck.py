@@ -57,7 +57,7 @@ def checked_step(spec: Spec, result=None, built=None) -> stepcheck.Verdict:
     with tf.compat.v1.Session(graph=graph, config=session_config(spec.towers)) as sess:
         sess.run(built.init)
         before = sess.run(check.before)
-        values = sess.run([built.train_op] + check.step, feed)[1:]
+        values = sess.run([built.train_op] + check.step, {**feed, **check.feed(before)})[1:]
         after = sess.run(check.after)
     assert not any(op.type.startswith("Assign") for op in graph.get_operations() if op.name.startswith(stepcheck.SCOPE))
     return check.evaluate(before, values, after)
@@ -83,6 +83,25 @@ def test_every_form_verifies_in_process(form):
     assert all(not v.unchecked for v in verdict.layers), [v.unchecked for v in verdict.layers]
     for phrase in MOVING.get(form, []):
         assert phrase in verdict.layers[0].line()
+
+
+def test_reference_variables_are_read_as_the_forward_pass_read_them():
+    """A reference variable's read aliases the buffer the step's optimizer updates: the check
+    takes gamma and beta as read before the step (fed), not whenever its ops run."""
+    enabled = tf.compat.v1.resource_variables_enabled()
+    tf.compat.v1.disable_resource_variables()
+    try:
+        built = build_towers(Spec())
+    finally:
+        if enabled:
+            tf.compat.v1.enable_resource_variables()
+    assert {op.type for op in built.graph.get_operations() if op.type.startswith("Var")} == {"VariableV2"}
+    result = rewrite_graph(built.graph)
+    graph = load_graph(result.graph_def)
+    snapshots = stepcheck.build(graph, result.report).snapshots
+    sources = sorted(graph.get_tensor_by_name(read).op.inputs[0].op.name for read in snapshots.values())
+    assert sources == sorted(f"net/bn{i}/{v}" for i in (1, 2) for v in ("gamma", "beta") for _ in range(2))
+    assert checked_step(Spec(), result=result, built=built).line().startswith("verified 2 layers x 2 towers")
 
 
 @pytest.mark.parametrize("form", ["moments cond v1", "fused 4 towers"])

@@ -59,7 +59,7 @@ def steps(sess: tf1.Session, check: stepcheck.StepCheck | None, feeds: list[dict
         start = time.perf_counter()
         before = sess.run(check.before)
         middle = time.perf_counter()
-        values = sess.run(["train_op"] + check.step, feed)[1:]
+        values = sess.run(["train_op"] + check.step, {**feed, **check.feed(before)})[1:]
         end = time.perf_counter()
         after = sess.run(check.after)
         line = check.evaluate(before, values, after).line()

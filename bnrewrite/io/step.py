@@ -61,7 +61,7 @@ def run_step(entry: Entry, report: Report, checkpoint: str | None = None, batch:
         try:
             _initialize(sess, graph, needed, checkpoint)
             before = sess.run(check.before)
-            values = sess.run(ops + check.step, feed)[len(ops):]
+            values = sess.run(ops + check.step, {**feed, **check.feed(before)})[len(ops):]
             after = sess.run(check.after)
         except tf.errors.OpError as exc:
             raise BnRewriteError(f"the checked step failed in TensorFlow: {one_line(exc.message, 300)}") from None
