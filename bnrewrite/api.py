@@ -21,15 +21,15 @@ from bnrewrite.errors import (
     InferenceOnlyError,
     NoBatchNormError,
 )
-from bnrewrite.graph import Graph, copy_fields, parse_input
-from bnrewrite.match.sites import Census, scan
+from bnrewrite.graph import Graph, copy_fields, parse_input, tensor_name
+from bnrewrite.match.sites import Census, Site, normalization, scan
 from bnrewrite.nodes import MARK
 from bnrewrite.opcheck import check_nodes
 from bnrewrite.passes import run_passes
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.passes.sites import KERNEL_MIN_ELEMENTS, kernel_size_unknown
 from bnrewrite.plan import Options, Plan, plan_without_shared_body_updates
-from bnrewrite.report import LayerRow, Report
+from bnrewrite.report import LayerRow, MovingUpdate, Report, TowerTensors
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,7 @@ def _rewrite(
                 "(fine with the collective backend; with NCCL, towers could launch them in different orders)"
             )
     unsized = sum(kernel_size_unknown(combined, group.sites[0]) for group in plan.groups)
-    report = _report(plan, records, census, len(model), len(rewritten))
+    report = _report(combined, plan, records, census, len(model), len(rewritten))
     if report_note:
         report.notes.append(report_note)
     if unsized:
@@ -325,7 +325,7 @@ def _drop_from_collections(meta: meta_graph_pb2.MetaGraphDef, removed: set[str],
                 values.extend(kept)
 
 
-def _report(plan: Plan, records: list[PassRecord], census: Census, before: int, after: int) -> Report:
+def _report(graph: Graph, plan: Plan, records: list[PassRecord], census: Census, before: int, after: int) -> Report:
     report = Report(
         backend=plan.backend,
         tower_by=plan.towers.by,
@@ -337,8 +337,10 @@ def _report(plan: Plan, records: list[PassRecord], census: Census, before: int, 
     )
     removed = [r for rec in records for r in rec.removed]
     removed_names = {name for name, _ in removed}
+    moments = {site: pair for r in records for site, pair in r.moments.items()}
     for group in plan.groups:
         first = group.sites[0]
+        kept = [MovingUpdate(u.node, u.variable, u.statistic) for s in group.sites for u in s.updates if u.node not in removed_names]
         grads = [g for s in group.sites for g in s.grads]
         report.layers.append(LayerRow(
             layer=group.key,
@@ -350,8 +352,12 @@ def _report(plan: Plan, records: list[PassRecord], census: Census, before: int, 
             gradients=grads,
             collectives=len(group.sites) + len(grads),
             sync_groups=[list(g) for g in plan.sync_groups],
-            updates_kept=[u.node for s in group.sites for u in s.updates if u.node not in removed_names],
+            updates_kept=[u.node for u in kept],
             lined_up_by=group.lined_up_by,
+            epsilon=first.epsilon if first.kind == "fused" else getattr(normalization(graph, first), "epsilon", 0.0),
+            reduce_axes=first.reduce_axes,
+            tensors=[_tower_tensors(graph, tower, site, moments.get(site.name)) for tower, site in zip(plan.towers.ids, group.sites)],
+            moving=kept,
         ))
     report.removed = [{"node": name, "why": why} for name, why in removed]
     report.skipped = [{"node": s.node, "reason": s.reason} for s in (*census.skips, *plan.towers.skips)]
@@ -363,3 +369,18 @@ def _report(plan: Plan, records: list[PassRecord], census: Census, before: int, 
     if any(not g.sites[0].grads for g in plan.groups):
         report.notes.append("some synced layers have no gradient op in the graph: only their forward pass is synchronized")
     return report
+
+
+def _tower_tensors(graph: Graph, tower: str, site: Site, moments: tuple[str, str] | None) -> TowerTensors:
+    """Site's x, y, scale, offset and global moments, as tensor names of the rewritten graph
+    (the site keeps its name and output 0; its inputs are untouched nodes)."""
+    if functions.in_body(site.name) or moments is None:
+        return TowerTensors(tower, "", "", "", "", "", "")
+    inputs = [tensor_name(*i) for i in graph.inputs(site.name)]
+    mean, variance = moments
+    if site.kind == "fused":
+        return TowerTensors(tower, inputs[0], site.name, inputs[1], inputs[2], mean, variance)
+    found = normalization(graph, site)
+    if found is None:
+        return TowerTensors(tower, inputs[0], "", "", "", mean, variance)
+    return TowerTensors(tower, inputs[0], found.y, found.scale, found.offset, mean, variance)

@@ -13,6 +13,32 @@ FOLLOWER = ", which was removed"  # ends the why of an op removed for feeding or
 
 
 @dataclass
+class TowerTensors:
+    """Where one tower's copy of a layer reads and writes, as tensor names of the rewritten
+    graph, for checking a step (bnrewrite.stepcheck); all "" for a copy inside a function body,
+    whose tensors cannot be fetched. `y` is "" when the layer's output was not found (moments
+    feeding arithmetic other than tf.nn.batch_normalization's); `scale`/`offset` "" when none."""
+
+    tower: str
+    x: str
+    y: str
+    scale: str
+    offset: str
+    mean: str  # the global mean the rewrite computed: float32, flat over the kept axes
+    variance: str  # the global biased variance, likewise
+
+
+@dataclass
+class MovingUpdate:
+    """A moving-statistics update the rewritten graph keeps: the op, the variable it writes and
+    which batch statistic ("mean" or "variance") its value comes from."""
+
+    node: str
+    variable: str
+    statistic: str
+
+
+@dataclass
 class LayerRow:
     layer: str
     op: str
@@ -25,6 +51,10 @@ class LayerRow:
     sync_groups: list[list[str]]
     updates_kept: list[str]
     lined_up_by: str = "shared variables"
+    epsilon: float = 0.0  # 0.0 also for moments feeding arithmetic bnrewrite does not follow
+    reduce_axes: list[int] = field(default_factory=list)
+    tensors: list[TowerTensors] = field(default_factory=list)  # one per tower, in `towers` order
+    moving: list[MovingUpdate] = field(default_factory=list)  # `updates_kept`, with what they write
 
 
 @dataclass

@@ -12,8 +12,9 @@ from bnrewrite import __version__, errors, selfcheck
 from bnrewrite.cli.convert import cmd_convert
 from bnrewrite.cli.diff import cmd_diff
 from bnrewrite.cli.inspect import cmd_inspect
-from bnrewrite.cli.run import cmd_run
 from bnrewrite.cli.output import INTERNAL_ERROR, INTERRUPTED, PROG, USAGE, print_error
+from bnrewrite.cli.run import cmd_run
+from bnrewrite.cli.verify import cmd_verify
 
 #: Exit code -> what it means, for --help and the README.
 EXIT_CODES: list[tuple[int, str, str]] = [
@@ -35,6 +36,7 @@ commands:
   inspect IN       show the towers, every batch-norm site and what convert would do
   diff A B         compare two models: op counts and per-layer changes
   run SCRIPT ARGS  run a training script unmodified, its sessions on the synchronized graph
+  verify MODEL     rewrite MODEL in memory and prove on one step run here that it syncs
 
 IN can be a GraphDef (.pb binary, .pbtxt text), a MetaGraphDef (.meta, from
 tf.compat.v1.train.Saver / export_meta_graph) or a SavedModel directory; the format is
@@ -127,6 +129,26 @@ diff compares op-type counts and lists, per batch-norm layer, the nodes bnrewrit
 (marked with its `_bnrewrite` attribute), replaced (same name, now marked) and removed.
 """
 
+VERIFY_EPILOG = """\
+examples:
+  bnrewrite verify model.meta
+  bnrewrite verify model.meta --checkpoint ckpt/model-1000 -v
+  bnrewrite verify towers.pb --batch 8 --report verified.json
+  bnrewrite verify saved_model/ --tags train
+
+MODEL is your ORIGINAL model (not one convert wrote): verify rewrites it in memory as convert
+would (--tower-by, --group-size, --tags), with the all-reduces as one local sum, maps every
+tower's device to the CPU of its index, and runs one training step on virtual CPUs, fed
+synthetic inputs (placeholders, and queue or iterator outputs directly; give --batch for an
+unknown batch dimension) with the variables' initial values, --checkpoint's, or a SavedModel's
+own. Extra ops compute, per layer and tower, float64 sums of the layer's input and the largest
+error of its output; it then checks that the rewrite's global mean and variance are those of
+all towers' inputs together, that every tower's output is gamma * (x - mean) / sqrt(var + eps)
++ beta with them, and that each moving statistic moved once toward the global one. A failure
+exits with 12 (PassError) naming the layer, the tower and the figure; a model verify cannot
+feed or initialize, with 1.
+"""
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr (exit code 2)."""
@@ -212,6 +234,26 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--force", action="store_true", help="replace --report's file if it exists")
     _verbosity(run)
     run.set_defaults(func=cmd_run, script_argv=[])
+    verify = sub.add_parser(
+        "verify", help="prove on one step run here that the rewrite syncs MODEL", epilog=VERIFY_EPILOG,
+        formatter_class=fmt,
+        description="Rewrite MODEL (the original) in memory, run one checked training step on CPU, and verify every synced layer.",
+    )
+    verify.add_argument("input", metavar="MODEL", help="the original GraphDef (.pb/.pbtxt), MetaGraphDef (.meta) or SavedModel directory")
+    group = verify.add_argument_group("rewrite")
+    group.add_argument("--tower-by", choices=["auto", "device", "scope"], default="auto",
+                       help="tell towers apart by device or by top-level name scope (as convert)")
+    group.add_argument("--group-size", type=_positive_int, metavar="G", help="synchronize towers in groups of G (as convert)")
+    group.add_argument("--tags", action="append", metavar="T1,T2", help="SavedModels: verify only this tag set (repeatable)")
+    step = verify.add_argument_group("step")
+    step.add_argument("--checkpoint", metavar="PREFIX", help="variables from this checkpoint (default: initializers; a SavedModel's own)")
+    step.add_argument("--batch", type=_positive_int, metavar="B", help="size of an unknown batch dimension of the inputs")
+    step.add_argument("--step", action="append", metavar="OP",
+                      help="the op(s) one training step runs (default: what runs the moving-average updates and gradients)")
+    step.add_argument("--report", metavar="FILE.json", help="write the rewrite's report and every figure as JSON")
+    step.add_argument("--force", action="store_true", help="replace --report if it exists and is a file bnrewrite wrote")
+    _verbosity(verify)
+    verify.set_defaults(func=cmd_verify, backend="local", timeout=0.0, workers=1, task_index=None)
 
     check = sub.add_parser(
         "check", help="check on this machine that synced training matches one device", epilog=CHECK_EPILOG,

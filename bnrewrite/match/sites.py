@@ -9,7 +9,7 @@ import numpy as np
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import tensor_util
 
-from bnrewrite.graph import Device, Graph
+from bnrewrite.graph import Device, Graph, tensor_name
 from bnrewrite.nodes import MARK
 from bnrewrite.opcheck import check_attrs, check_batch_norm_shapes
 
@@ -354,6 +354,59 @@ def _affine_variables(graph: Graph, variance: str) -> tuple[str | None, str | No
                     if graph.producer(sub, 1)[0] == mul:
                         offset = offset or resolve_variable(graph, graph.producer(sub, 0)[0])
     return scale, offset
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """What the tf.nn.batch_normalization a moments site's statistics feed reads and gives:
+    tensor names (scale and offset "" when it takes none)."""
+
+    y: str
+    scale: str
+    offset: str
+    epsilon: float
+
+
+def normalization(graph: Graph, site: Site) -> Normalization | None:
+    """The tf.nn.batch_normalization of a moments site, y = x * inv + (offset - mean * inv) with
+    inv = Rsqrt(variance + epsilon) [* scale] (each of its terms maybe cast to x's dtype), on the
+    x the site's moments take; None for other arithmetic."""
+    x = graph.inputs(site.name)[0]
+    for add in _reached(graph, site.variance, _ADD):
+        epsilon = _scalar(graph, graph.inputs(add))
+        for rsqrt in (r for r in _reached(graph, add, _RSQRT, through=frozenset()) if epsilon is not None):
+            inverses = [(rsqrt, "")] + [(mul, tensor_name(*other)) for mul in _reached(graph, rsqrt, _MUL, through=_CAST)
+                                        for other in graph.inputs(mul) if other[0] != rsqrt]
+            for inverse, scale in inverses:
+                for mul in _reached(graph, inverse, _MUL, through=_CAST):
+                    if x not in graph.inputs(mul):
+                        continue
+                    for y in _reached(graph, mul, _ADD, through=frozenset()):
+                        term = next(i for i in graph.inputs(y) if i[0] != mul)
+                        offset = _behind(graph, term[0], _CAST)
+                        if graph.node(offset).op == "Sub":
+                            return Normalization(tensor_name(y), scale, tensor_name(*graph.inputs(offset)[0]), epsilon)
+                        if graph.node(offset).op == "Neg":
+                            return Normalization(tensor_name(y), scale, "", epsilon)
+    return None
+
+
+def _scalar(graph: Graph, inputs: list[tuple[str, int]]) -> float | None:
+    """The value of the one scalar constant among `inputs` (through casts), else None."""
+    values = [v for v in (_const_value(graph, _behind(graph, name, _CAST)) for name, _ in inputs) if v is not None]
+    return float(values[0]) if len(values) == 1 and np.size(values[0]) == 1 else None
+
+
+def _behind(graph: Graph, node: str, through: frozenset[str]) -> str:
+    """The node a chain of `through` ops starting at `node` passes on."""
+    for _ in range(4):
+        if graph.node(node).op not in through:
+            break
+        node = graph.inputs(node)[0][0]
+    return node
+
+
+_CAST = frozenset({"Cast", "Identity"})
 
 
 _ADD = frozenset({"Add", "AddV2"})

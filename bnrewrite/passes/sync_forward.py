@@ -90,6 +90,7 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
         editor.replace(identity_n(site.name, [y, *statistics, *controls], [T] + [U] * len(statistics), node.device, key))
     ctx.record.replaced.append(site.name)
     ctx.record.collectives.append(moments.collective)
+    ctx.record.moments[site.name] = (mean, var)
 
 
 def _normalize_by_passes(b: Builder, deviations: str, scale: str, offset: str, shift: str, rstd: str, U: int) -> str:

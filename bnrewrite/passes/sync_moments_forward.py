@@ -39,3 +39,4 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
         editor.replace(identity_n(name, [value, *controls], [site.dtype], graph.node(name).device, ctx.key))
         ctx.record.replaced.append(name)
     ctx.record.collectives.append(moments.collective)
+    ctx.record.moments[site.name] = (moments.mean, moments.variance)

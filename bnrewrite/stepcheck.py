@@ -1,0 +1,361 @@
+"""Proof on one step that a rewritten graph normalized every synced layer with the global batch's
+statistics and moved each moving statistic exactly once toward them.
+
+`build` adds check ops under `bnrewrite_verify/` to a tf.Graph holding the rewritten graph; they
+share no op with the rewrite's and write no variable. Per layer and tower they compute, on the
+tower's device, float64 per-channel sums of x and x^2 (from the layer's input), max |x|, and
+max |y - y_hat| with y_hat computed in float64 from x, gamma, beta, epsilon and the global
+moments the rewrite made; the output's figure is that over the channel's largest term. The caller fetches
+`before` (moving statistics; reference variables' gamma and beta) in a read-only run, `step`
+with its real training step in the same run (fed `feed(before values)`), and `after` in a
+read-only run; `evaluate` then checks in numpy (float64) that the rewrite's
+global moments are those of all towers' inputs together, every tower's output matches, and each
+moving statistic equals one application of its kept update, which moves it by one factor for
+all channels toward the global statistic. Only a few numbers per layer leave the devices.
+Invariant: a check that passes has seen every value it vouches for; one that fails raises
+PassError naming the layer, the tower and the figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from bnrewrite.errors import PassError
+from bnrewrite.report import LayerRow, Report
+
+SCOPE = "bnrewrite_verify"
+#: Machine epsilon of the dtype the data is normalized in.
+EPSILON = {"float": 2.0**-23, "half": 2.0**-10, "bfloat16": 2.0**-7, "double": 2.0**-52}
+#: A figure may reach this many float32 epsilons (rounding in a few float32 ops, the rewrite's
+#: float32 moments against float64 ones: 1-3 measured), the output also this many of its own
+#: dtype's (x and y rounded to it: 0.4 measured in float16 and bfloat16).
+ULPS = 16
+DTYPE_ULPS = 2
+#: Ops whose value input an update writes as it is, subtracts or adds.
+_FORMS = {"AssignSubVariableOp": -1, "AssignSub": -1, "AssignAddVariableOp": 1, "AssignAdd": 1,
+          "AssignVariableOp": 0, "Assign": 0}
+#: How far up a kept update's inputs another kept update of the layer makes it derived
+#: (zero-debias's unbiased value, renormalization's variance from its standard deviation).
+_DERIVED_DEPTH = 24
+_TINY = 1e-30
+
+
+@dataclass(frozen=True)
+class _Tower:
+    """Names of what one tower's check fetches (per channel unless said), and its count."""
+
+    tower: str
+    sums: str  # of x
+    squares: str  # of x^2
+    count: str | float  # elements per channel: a number when x's static shape tells it
+    mean: str  # the rewrite's global mean and biased variance
+    variance: str
+    largest: str  # max |x|; "" when the layer's output was not found, and so the next three
+    worst: str  # max |y - y_hat|
+    scale: str  # "" when none
+    offset: str
+
+
+@dataclass(frozen=True)
+class _Update:
+    node: str
+    variable: str
+    statistic: str
+    sign: int  # -1 subtracts the value, 1 adds it, 0 assigns it
+    value: str
+    read: str
+    derived: bool
+
+
+@dataclass(frozen=True)
+class _Layer:
+    row: LayerRow
+    towers: tuple[_Tower, ...]
+    updates: tuple[_Update, ...]
+
+
+@dataclass
+class LayerVerdict:
+    layer: str
+    towers: int
+    figures: dict[str, float]  # the worst of each figure over the towers, relative
+    updates: list[str]  # one phrase per moving statistic
+    unchecked: list[str]
+
+    def line(self) -> str:
+        figures = ", ".join(f"{k} {v:.1e}" for k, v in self.figures.items())
+        parts = [f"{self.layer}: {self.towers} towers", figures, *self.updates, *self.unchecked]
+        return ", ".join(p for p in parts if p)
+
+
+@dataclass
+class Verdict:
+    layers: list[LayerVerdict]
+    towers: list[str]
+    worst: float
+    worst_at: str
+    not_checked: list[str] = field(default_factory=list)  # layers whose tensors cannot be fetched
+
+    def line(self, where: str = "") -> str:
+        head = f"verified {len(self.layers)} layers x {len(self.towers)} towers on {_devices(self.towers)}"
+        moving = "moving statistics updated once" if any(v.updates for v in self.layers) else "no moving statistics updated"
+        line = f"{head}{' (' + where + ')' if where else ''}: worst {self.worst:.1e} ({self.worst_at}), {moving}"
+        if self.not_checked:
+            line += f"; {len(self.not_checked)} layer(s) not checked (inside function bodies: {', '.join(self.not_checked)})"
+        return line
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layers": [{"layer": v.layer, "towers": v.towers, "figures": v.figures, "updates": v.updates,
+                        "unchecked": v.unchecked} for v in self.layers],
+            "towers": self.towers, "worst": self.worst, "worst_at": self.worst_at, "not_checked": self.not_checked,
+        }
+
+
+@dataclass
+class StepCheck:
+    """Tensor names to fetch: `before` and `after` in read-only runs around the step, `step`
+    together with the step; then `evaluate` the values, in the same order."""
+
+    before: list[str]
+    step: list[str]
+    after: list[str]
+    towers: list[str]
+    layers: list[_Layer]
+    not_checked: list[str]
+    #: placeholder of the check -> the `before` read it is fed: a reference variable's value as the
+    #: step's forward pass read it (its read aliases the buffer the step's optimizer updates)
+    snapshots: dict[str, str] = field(default_factory=dict)
+
+    def feed(self, before_values: Sequence[Any]) -> dict[str, Any]:
+        """What to add to the step's feed, from the values of the `before` run."""
+        before = dict(zip(self.before, before_values))
+        return {placeholder: before[read] for placeholder, read in self.snapshots.items()}
+
+    def evaluate(self, before_values: Sequence[Any], step_values: Sequence[Any], after_values: Sequence[Any]) -> Verdict:
+        """Raises PassError naming the layer, tower and figure of the first check that fails."""
+        before = dict(zip(self.before, before_values))
+        step = dict(zip(self.step, step_values))
+        after = dict(zip(self.after, after_values))
+        verdicts, worst, worst_at = [], 0.0, ""
+        for layer in self.layers:
+            verdict = _evaluate_layer(layer, before, step, after)
+            verdicts.append(verdict)
+            for name, value in verdict.figures.items():
+                if value >= worst:
+                    worst, worst_at = value, f"{layer.row.layer}/{name}"
+        return Verdict(verdicts, self.towers, worst, worst_at, self.not_checked)
+
+
+def build(graph: Any, report: Report) -> StepCheck:
+    """Add the check ops for every synced layer of `report` to `graph` (the rewritten graph)."""
+    import tensorflow as tf
+
+    before: list[str] = []
+    step: list[str] = []
+    layers, not_checked = [], []
+    reads: dict[str, str] = {}
+    snapshots: dict[str, str] = {}
+    with graph.as_default(), tf.name_scope(SCOPE + "/"):
+        for index, row in enumerate(report.layers):
+            if not any(t.x for t in row.tensors):
+                not_checked.append(row.layer)
+                continue
+            towers = []
+            for k, tensors in enumerate(row.tensors):
+                with tf.name_scope(f"layer_{index}/tower_{k}"):
+                    tower = _tower_ops(graph, row, tensors, snapshots)
+                towers.append(tower)
+                step.extend(n for n in (tower.sums, tower.squares, tower.count, tower.mean, tower.variance, tower.largest,
+                                        tower.worst, tower.scale, tower.offset) if isinstance(n, str) and n)
+            updates = []
+            names = {u.node for u in row.moving}
+            for moving in row.moving:
+                op = graph.get_operation_by_name(moving.node)
+                if moving.variable not in reads:
+                    with tf.name_scope(f"read_{len(reads)}"):
+                        reads[moving.variable] = _read(graph, moving.variable)
+                    before.append(reads[moving.variable])
+                updates.append(_Update(moving.node, moving.variable, moving.statistic, _FORMS[op.type], op.inputs[1].name,
+                                       reads[moving.variable], _derived(op, names - {moving.node})))
+                step.append(op.inputs[1].name)
+            layers.append(_Layer(row, tuple(towers), tuple(updates)))
+    step = list(dict.fromkeys(step))
+    after = list(before)
+    before.extend(dict.fromkeys(snapshots.values()))
+    return StepCheck(before, step, after, list(report.towers), layers, not_checked, snapshots)
+
+
+def _tensor(graph: Any, name: str) -> Any:
+    return graph.get_tensor_by_name(name if ":" in name else name + ":0")
+
+
+def _tower_ops(graph: Any, row: LayerRow, tensors: Any, snapshots: dict[str, str]) -> _Tower:
+    """This tower's check ops: few, as Grappler's time on the first step grows with the nodes.
+    `snapshots` gets the placeholders standing for reference variables' reads."""
+    import tensorflow as tf
+
+    x = _tensor(graph, tensors.x)
+    scale, offset = (_snapshot(graph, name, snapshots) if name and tensors.y else "" for name in (tensors.scale, tensors.offset))
+    with tf.device(x.device):
+        axes = tf.constant(row.reduce_axes)
+        x64 = tf.cast(x, tf.float64)
+        sums = tf.reduce_sum(x64, axes, keepdims=True)
+        squares = tf.reduce_sum(tf.square(x64), axes, keepdims=True)
+        if x.shape.is_fully_defined() and sums.shape.is_fully_defined():
+            count: str | float = x.shape.num_elements() / sums.shape.num_elements()
+        else:
+            count = (tf.cast(tf.size(x, out_type=tf.int64), tf.float64) / tf.cast(tf.size(sums, out_type=tf.int64), tf.float64)).name
+        largest = worst = ""
+        if tensors.y:
+            channels_last = sums.shape.is_fully_defined() and sums.shape[-1] == sums.shape.num_elements()
+
+            def channel(name: str, default: float) -> Any:
+                value = tf.cast(_tensor(graph, name), tf.float64) if name else tf.constant(default, tf.float64)
+                return value if channels_last or not name else tf.reshape(value, tf.shape(sums))
+
+            mean, gamma, beta = channel(tensors.mean, 0.0), channel(scale, 1.0), channel(offset, 0.0)
+            gain = tf.math.rsqrt(channel(tensors.variance, 0.0) + row.epsilon) * gamma
+            # x * gain + (beta - mean * gain): in float64 its cancellation stays near 1e-13 even at |mean|/std = 1000
+            y = tf.cast(_tensor(graph, tensors.y), tf.float64)
+            worst = tf.reduce_max(tf.abs(x64 * gain + (beta - mean * gain) - y), axes, keepdims=True).name
+            largest = tf.reduce_max(tf.abs(x64), axes, keepdims=True).name
+    return _Tower(tensors.tower, sums.name, squares.name, count, _tensor(graph, tensors.mean).name,
+                  _tensor(graph, tensors.variance).name, largest, worst, scale, offset)
+
+
+def _snapshot(graph: Any, name: str, snapshots: dict[str, str]) -> str:
+    """`name`, or for a read of a reference variable (whose buffer the step's optimizer may
+    update before the check's op reads it) a placeholder fed that variable's value read before
+    the step."""
+    import tensorflow as tf
+
+    tensor = _tensor(graph, name)
+    source = tensor.op
+    while source.type in ("Identity", "RefIdentity") and source.inputs:
+        source = source.inputs[0].op
+    if source.type not in ("VariableV2", "Variable"):
+        return tensor.name
+    with tf.device(source.device):
+        read = tf.identity(source.outputs[0]).name
+    placeholder = tf.compat.v1.placeholder(tensor.dtype.base_dtype, tensor.shape).name
+    snapshots[placeholder] = read
+    return placeholder
+
+
+def _read(graph: Any, variable: str) -> str:
+    """A read of `variable`'s value, placed with it."""
+    import tensorflow as tf
+
+    op = graph.get_operation_by_name(variable)
+    with tf.device(op.device):
+        if op.type in ("VarHandleOp", "_VarHandlesOp"):
+            return tf.raw_ops.ReadVariableOp(resource=op.outputs[0], dtype=op.get_attr("dtype")).name
+        return tf.identity(op.outputs[0]).name
+
+
+def _derived(op: Any, others: set[str]) -> bool:
+    """Whether `op`'s value depends on another kept update of its layer (within a few ops)."""
+    frontier, seen = [op.inputs[1].op], set()
+    for _ in range(_DERIVED_DEPTH):
+        nxt = []
+        for node in frontier:
+            if node.name in others:
+                return True
+            if node.name not in seen:
+                seen.add(node.name)
+                nxt.extend([t.op for t in node.inputs] + list(node.control_inputs))
+        frontier = nxt
+    return False
+
+
+def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any], after: dict[str, Any]) -> LayerVerdict:
+    row = layer.row
+    value = {name: np.asarray(v, np.float64).reshape(-1) for name, v in step.items()}
+    total = sum(float(value[t.count][0]) if isinstance(t.count, str) else t.count for t in layer.towers)
+    sums = sum(value[t.sums] for t in layer.towers)
+    squares = sum(value[t.squares] for t in layer.towers)
+    mean = sums / total
+    variance = np.maximum(squares / total - mean**2, 0.0)
+    moments_tolerance = ULPS * EPSILON["float"]
+    y_tolerance = moments_tolerance + DTYPE_ULPS * EPSILON.get(row.dtype, EPSILON["float"])
+    figures = {"mean": 0.0, "variance": 0.0}
+    unchecked = [] if all(t.worst for t in layer.towers) else ["output not checked (not tf.nn.batch_normalization's)"]
+    for t in layer.towers:
+        std = np.sqrt(variance + row.epsilon) + _TINY
+        checks = [("mean", np.max(np.abs(value[t.mean] - mean) / std), moments_tolerance,
+                   "the global mean, relative to the standard deviation"),
+                  ("variance", np.max(np.abs(value[t.variance] - variance) / (variance + row.epsilon + _TINY)),
+                   moments_tolerance, "the global variance, relative")]
+        if t.worst:
+            checks.append(("output", _output_error(value, t, row.epsilon), y_tolerance,
+                           "the output y against gamma * (x - mean) / sqrt(var + eps) + beta in float64, relative to the "
+                           "channel's largest term"))
+        for name, figure, tolerance, what in checks:
+            _require(figure <= tolerance, f"layer {row.layer}, tower {t.tower}: {what} is off by {figure:.2e} "
+                                          f"(allowed {tolerance:.1e})")
+            figures[name] = max(figures.get(name, 0.0), float(figure))
+    statistics = {"mean": [("mean", mean)],
+                  "variance": [("unbiased variance", variance * total / max(total - 1.0, 1.0)), ("variance", variance),
+                               ("standard deviation", np.sqrt(variance + row.epsilon))]}
+    updates = []
+    for u in layer.updates:
+        old = np.asarray(before[u.read], np.float64)
+        new = np.asarray(after[u.read], np.float64)
+        written = value[u.value] if u.sign == 0 else old + u.sign * value[u.value]
+        once = float(np.max(np.abs(new - written) / (np.abs(old) + np.abs(written) + _TINY)))
+        _require(once <= moments_tolerance, (
+            f"layer {row.layer}: {u.variable} is not what one run of its update {u.node} writes: off by {once:.2e} "
+            f"relative (allowed {moments_tolerance:.1e}); is it updated more than once per step?"))
+        figures["moving"] = max(figures.get("moving", 0.0), once)
+        if u.derived:
+            updates.append(f"{_short(u.variable)} updated once (derived from another update)")
+            continue
+        residual, factor, name = _best(old, written, statistics[u.statistic])
+        _require(residual <= moments_tolerance and 0.0 < factor <= 1.0 + moments_tolerance, (
+            f"layer {row.layer}: {u.variable} did not move toward the global batch {u.statistic} by one factor for every "
+            f"channel: off by {residual:.2e} relative at factor {factor:.3g} (allowed {moments_tolerance:.1e})"))
+        figures["moving"] = max(figures["moving"], residual)
+        updates.append(f"{_short(u.variable)} once toward the global {name} (factor {factor:.3g})")
+    return LayerVerdict(row.layer, len(layer.towers), figures, updates, unchecked)
+
+
+def _output_error(value: dict[str, np.ndarray], t: _Tower, epsilon: float) -> float:
+    """max |y - y_hat| per channel over the largest term of y_hat, (max |x| + |mean|) * |gain| + |beta|,
+    the largest of those ratios."""
+    gain = value[t.scale] if t.scale else 1.0
+    gain = gain / np.sqrt(value[t.variance] + epsilon)
+    beta = np.abs(value[t.offset]) if t.offset else 0.0
+    return float(np.max(value[t.worst] / ((value[t.largest] + np.abs(value[t.mean])) * np.abs(gain) + beta + _TINY)))
+
+
+def _best(old: np.ndarray, written: np.ndarray, candidates: list[tuple[str, np.ndarray]]) -> tuple[float, float, str]:
+    """(residual, factor, name) of the candidate statistic s that `written` = old + f * (s - old)
+    fits best with one f for every channel; residual relative to |old| + |s|."""
+    best = (np.inf, 0.0, "")
+    for name, target in candidates:
+        step = target - old
+        factor = float(np.sum((written - old) * step) / max(float(np.sum(step * step)), _TINY))
+        residual = float(np.max(np.abs(written - old - factor * step) / (np.abs(old) + np.abs(target) + _TINY)))
+        best = min(best, (residual, factor, name))
+    return best
+
+
+def _short(variable: str) -> str:
+    return variable.rsplit("/", 1)[-1]
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise PassError(f"step check failed: {message} (a bnrewrite bug: please report it)")
+
+
+def _devices(towers: list[str]) -> str:
+    """`/device:GPU:0..3` for towers numbered in order on one prefix, else their list."""
+    prefix = towers[0].rstrip("0123456789") if towers else ""
+    if prefix and all(t == f"{prefix}{k}" for k, t in enumerate(towers)) and len(towers) > 1:
+        return f"{prefix}0..{len(towers) - 1}"
+    return ", ".join(towers)

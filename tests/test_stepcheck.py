@@ -1,0 +1,250 @@
+"""The step check (bnrewrite/stepcheck.py) and `bnrewrite verify MODEL` (issue 35).
+
+Every form the README lists passes on one real training step in process (build, the user's own
+step with the check's fetches, evaluate), three of them and the checkpoint's model also through
+`verify` on a file; rewrites broken on
+purpose (one tower's all-reduce bypassed, a wrong epsilon, an update run twice) fail with
+PassError naming the layer, tower and figure; inputs from a tf.data iterator or a queue, a
+checkpoint, and models verify cannot feed or initialize.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from model_files import cached_models
+from models import Spec, build_towers, load_graph, make_batches, session_config
+from test_cli import assert_one_error_line
+from test_cli import bnrewrite as run_cli
+
+from bnrewrite import api, rewrite_graph, statistics, stepcheck
+from bnrewrite.errors import PassError
+from bnrewrite.nodes import MARK
+from bnrewrite.passes import PIPELINE, dedupe_moving_averages, run_passes
+
+FORMS = {
+    "fused legacy": Spec(), "fused op": Spec(layer="fused_op"), "fused NCHW": Spec(data_format="NCHW"),
+    "fused float16": Spec(dtype="float16"), "fused bfloat16": Spec(dtype="bfloat16"),
+    "moments legacy": Spec(layer="legacy_unfused"), "renorm": Spec(renorm=True),
+    "moments cond v1": Spec(layer="moments_cond_v1"), "fused cond v1": Spec(layer="legacy_cond_v1"),
+    "fused 4 towers": Spec(towers=4),
+}
+#: What -v says of the first layer's moving statistics, for some forms.
+MOVING = {
+    "fused legacy": ["moving_variance once toward the global unbiased variance (factor 0.1)"],
+    "moments legacy": ["moving_variance once toward the global variance (factor 0.1)"],
+    "renorm": ["renorm_stddev once toward the global standard deviation (factor 0.01)",
+               "moving_variance updated once (derived from another update)"],
+}
+TOWERS = {2: "/device:CPU:0..1", 4: "/device:CPU:0..3"}
+
+
+def checked_step(spec: Spec, result=None, built=None) -> stepcheck.Verdict:
+    """One training step of `result` (default: the rewrite of build_towers(spec)) with the check's
+    fetches, as a user's session would run it."""
+    built = built or build_towers(spec)
+    result = result or rewrite_graph(built.graph)
+    graph = load_graph(result.graph_def)
+    check = stepcheck.build(graph, result.report)
+    images, labels = make_batches(spec, 1)[0]
+    feed = {}
+    for k, (x, y) in enumerate(built.inputs):
+        feed[x], feed[y] = np.array_split(images, spec.towers)[k], np.array_split(labels, spec.towers)[k]
+    with tf.compat.v1.Session(graph=graph, config=session_config(spec.towers)) as sess:
+        sess.run(built.init)
+        before = sess.run(check.before)
+        values = sess.run([built.train_op] + check.step, {**feed, **check.feed(before)})[1:]
+        after = sess.run(check.after)
+    assert not any(op.type.startswith("Assign") for op in graph.get_operations() if op.name.startswith(stepcheck.SCOPE))
+    return check.evaluate(before, values, after)
+
+
+def write_meta(directory, graph: tf.Graph) -> str:
+    """`graph` as DIRECTORY/model.meta; the path."""
+    path = directory / "model.meta"
+    with graph.as_default():
+        path.write_bytes(tf.compat.v1.train.export_meta_graph().SerializeToString())
+    return str(path)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_form_verifies_in_process(form):
+    spec = FORMS[form]
+    verdict = checked_step(spec)
+    line = verdict.line()
+    print(form, line)
+    assert line.startswith(f"verified 2 layers x {spec.towers} towers on {TOWERS[spec.towers]}: worst ")
+    assert line.endswith("moving statistics updated once")
+    assert {v.towers for v in verdict.layers} == {spec.towers}
+    assert all(not v.unchecked for v in verdict.layers), [v.unchecked for v in verdict.layers]
+    for phrase in MOVING.get(form, []):
+        assert phrase in verdict.layers[0].line()
+
+
+def test_reference_variables_are_read_as_the_forward_pass_read_them():
+    """A reference variable's read aliases the buffer the step's optimizer updates: the check
+    takes gamma and beta as read before the step (fed), not whenever its ops run."""
+    enabled = tf.compat.v1.resource_variables_enabled()
+    tf.compat.v1.disable_resource_variables()
+    try:
+        built = build_towers(Spec())
+    finally:
+        if enabled:
+            tf.compat.v1.enable_resource_variables()
+    assert {op.type for op in built.graph.get_operations() if op.type.startswith("Var")} == {"VariableV2"}
+    result = rewrite_graph(built.graph)
+    graph = load_graph(result.graph_def)
+    snapshots = stepcheck.build(graph, result.report).snapshots
+    sources = sorted(graph.get_tensor_by_name(read).op.inputs[0].op.name for read in snapshots.values())
+    assert sources == sorted(f"net/bn{i}/{v}" for i in (1, 2) for v in ("gamma", "beta") for _ in range(2))
+    assert checked_step(Spec(), result=result, built=built).line().startswith("verified 2 layers x 2 towers")
+
+
+@pytest.mark.parametrize("form", ["moments cond v1", "fused 4 towers"])
+def test_verify_on_a_file(form, tmp_path):
+    spec = FORMS[form]
+    proc = run_cli("verify", write_meta(tmp_path, build_towers(spec).graph), "-v")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"verified 2 layers x {spec.towers} towers on {TOWERS[spec.towers]}: worst ")
+    assert "  net/bn1: " in proc.stdout and "  net/bn2: " in proc.stdout
+
+
+def test_layers_inside_function_bodies_cannot_be_checked(tmp_path):
+    path = tmp_path / "model.pb"
+    path.write_bytes(build_towers(Spec(layer="moments_cond_v2")).graph.as_graph_def().SerializeToString())
+    assert_one_error_line(run_cli("verify", str(path)), 1, "no synced layer can be checked: all 2 are inside function bodies")
+
+
+def _break_after_passes(monkeypatch, edit=lambda g: g, passes=PIPELINE, meaning=True) -> None:
+    """rewrite_graph's passes, then `edit` of their result; without the meaning check unless `meaning`."""
+    monkeypatch.setattr(api, "run_passes", lambda graph, plan: (lambda r: (edit(r[0]), r[1]))(run_passes(graph, plan, passes)))
+    if not meaning:
+        monkeypatch.setattr(api.meaning, "check_meaning", lambda *args: None)
+
+
+def test_a_tower_whose_all_reduce_is_bypassed_fails_named(monkeypatch):
+    real = statistics.all_reduce
+
+    def bypassed(b, name, tensor, dtype, key):
+        summed = real(b, name, tensor, dtype, key)
+        return tensor if b.device.endswith("CPU:1") else summed
+
+    monkeypatch.setattr(statistics, "all_reduce", bypassed)
+    _break_after_passes(monkeypatch, meaning=False)  # the meaning check sees tower 1's sum unused
+    with pytest.raises(PassError, match=r"layer net/bn1, tower /device:CPU:1: the global mean, relative to the standard "
+                                        r"deviation is off by \d"):
+        checked_step(Spec())
+
+
+def test_a_wrong_epsilon_fails_named(monkeypatch):
+    def epsilon_times_100(graph):
+        editor = graph.edit()
+        for node in graph:
+            if MARK in node.attr and node.op == "Const" and node.name.endswith("/epsilon"):
+                tensor = editor.mutable(node.name).attr["value"].tensor
+                tensor.CopyFrom(tf.make_tensor_proto(np.float32(0.1)))
+        return editor.finish()
+
+    _break_after_passes(monkeypatch, epsilon_times_100)
+    with pytest.raises(PassError, match=r"layer net/bn1, tower /device:CPU:0: the output y against gamma \* \(x - mean\)"):
+        checked_step(Spec())
+
+
+def test_an_update_run_twice_fails_named(monkeypatch):
+    _break_after_passes(monkeypatch, passes=tuple(p for p in PIPELINE if p is not dedupe_moving_averages), meaning=False)
+    with pytest.raises(PassError, match=r"layer net/bn1: net/bn1/moving_mean is not what one run of its update "
+                                        r"tower_0/\S+ writes: off by .* updated more than once per step"):
+        checked_step(Spec())
+
+
+def test_verify_fails_with_12_on_a_broken_rewrite(monkeypatch):
+    _break_after_passes(monkeypatch, passes=tuple(p for p in PIPELINE if p is not dedupe_moving_averages), meaning=False)
+    assert_one_error_line(run_cli("verify", cached_models().meta), 12, "step check failed: layer net/bn1: ")
+
+
+def _pipeline_towers(source: str) -> tf.Graph:
+    """2 towers on /cpu:k reading their batches from a tf.data iterator or a FIFO queue, a legacy
+    batch norm each (shared variables), a momentum optimizer."""
+    from tf_keras.src.legacy_tf_layers import normalization
+
+    graph = tf.Graph()
+    with graph.as_default():
+        rng = np.random.default_rng(1)
+        data = rng.standard_normal((4, 3, 3, 2)).astype(np.float32)
+        if source == "iterator":
+            batches = tf.compat.v1.data.make_one_shot_iterator(tf.data.Dataset.from_tensors(data).repeat())
+        else:
+            queue = tf.compat.v1.FIFOQueue(8, [tf.float32], shapes=[[3, 3, 2]])
+        optimizer = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+        grads = []
+        for k in range(2):
+            with tf.device(f"/cpu:{k}"), tf.name_scope(f"tower_{k}"), tf.compat.v1.variable_scope("net", reuse=k > 0):
+                x = batches.get_next() if source == "iterator" else queue.dequeue_many(4)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    y = normalization.batch_normalization(x, training=True, name="bn")
+                loss = tf.reduce_mean(tf.square(y - 1.0))
+                grads.append(optimizer.compute_gradients(loss))
+        averaged = [(tf.add_n([g for g, _ in pair]) / 2.0, pair[0][1]) for pair in zip(*grads)]
+        tf.group(optimizer.apply_gradients(averaged), *tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS),
+                 name="train_op")
+        tf.compat.v1.global_variables_initializer()
+    return graph
+
+
+@pytest.mark.parametrize("source", ["iterator", "queue"])
+def test_inputs_from_an_iterator_or_a_queue_are_fed_directly(source, tmp_path):
+    proc = run_cli("verify", write_meta(tmp_path, _pipeline_towers(source)))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("verified 1 layers x 2 towers on /device:CPU:0..1: worst "), proc.stdout
+
+
+def test_a_checkpoint_and_the_json_report(tmp_path):
+    files = cached_models()
+    report = tmp_path / "verified.json"
+    proc = run_cli("verify", files.meta, "--checkpoint", files.ckpt, "--report", str(report))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0].startswith("verified 2 layers x 2 towers on /device:CPU:0..1: worst ")
+    document = json.loads(report.read_text())
+    verification = document["graphs"][0]["verification"]
+    assert document["command"] == "verify" and verification["worst"] < 1e-5
+    assert [v["layer"] for v in verification["layers"]] == ["net/bn1", "net/bn2"]
+    tensors = document["graphs"][0]["report"]["layers"][0]["tensors"]
+    assert [t["y"] for t in tensors] == ["tower_0/net/bn1/FusedBatchNormV3", "tower_1/net/bn1/FusedBatchNormV3"]
+    assert_one_error_line(run_cli("verify", files.meta, "--checkpoint", str(tmp_path / "none")), 1,
+                          r"--checkpoint .*none: cannot read it")
+
+
+def test_models_verify_cannot_feed_or_initialize(tmp_path):
+    uneven = tmp_path / "uneven.pb"
+    uneven.write_bytes(build_towers(Spec(uneven=True)).graph.as_graph_def().SerializeToString())
+    assert_one_error_line(run_cli("verify", str(uneven)), 1, r"input tower_\d/images:0 has shape \(None, 6, 6, 3\): "
+                                                             "verify cannot choose its unknown dimensions; give --batch B")
+    proc = run_cli("verify", str(uneven), "--batch", "4")
+    assert proc.returncode == 0 and proc.stdout.startswith("verified 2 layers x 2 towers"), proc.stderr
+    graph = build_towers(Spec()).graph
+    with graph.as_default():
+        tf.compat.v1.placeholder(tf.string, [2], name="names")
+        tf.compat.v1.placeholder(tf.float32, [2], name="extra")
+    strings = graph.as_graph_def()
+    train = next(n for n in strings.node if n.name == "train_op")
+    train.input.extend(["^names", "^extra"])
+    path = tmp_path / "strings.pb"
+    path.write_bytes(strings.SerializeToString())
+    assert_one_error_line(run_cli("verify", str(path)), 1, "input names:0 is of type string, which verify cannot make up")
+    bare = graph.as_graph_def()
+    kept = [n for n in bare.node if n.name != "net/bn1/gamma/Assign"]
+    for node in kept:
+        inputs = [i for i in node.input if i != "^net/bn1/gamma/Assign"]
+        del node.input[:]
+        node.input.extend(inputs)
+    del bare.node[:]
+    bare.node.extend(kept)
+    path = tmp_path / "bare.pb"
+    path.write_bytes(bare.SerializeToString())
+    assert_one_error_line(run_cli("verify", str(path)), 1, r"variable net/bn1/gamma has no initializer \(1 such\); "
+                                                           "give --checkpoint PREFIX")
