@@ -49,12 +49,14 @@ class FirstStep:
             self.decided[key] = not unseen
         return self.decided[key]
 
-    def run(self, session: Any, step: Callable[[list[Any]], list[Any]]) -> tuple[list[Any], Any]:
-        """Read `before`, run `step` with the check's outputs appended to its fetches (it returns
-        all values, the script's first), read `after`; the script's values and the Verdict
-        (evaluate raises PassError on a failed check)."""
+    def run(self, session: Any, step: Callable[[list[Any], dict[Any, Any]], list[Any]]) -> tuple[list[Any], Any]:
+        """Read `before`, run `step` with the check's outputs appended to its fetches and the
+        check's feeds added (it returns all values, the script's first), read `after`; the
+        script's values and the Verdict (evaluate raises PassError on a failed check)."""
         before = _read(session, self._outputs(self.check.before))
-        values = step(self._outputs(self.check.step))
+        feeds = {self.graph.get_tensor_by_name(name)._as_tf_output(): value
+                 for name, value in self.check.feed(before).items()}
+        values = step(self._outputs(self.check.step), feeds)
         extra = len(self.check.step)
         script, checked = (values[:-extra], values[-extra:]) if extra else (values, [])
         after = _read(session, self._outputs(self.check.after))

@@ -374,10 +374,10 @@ def _checked_step(session: Any, shadow: Shadow, first: Any, target_list: Any, fe
     fetches = [t._as_tf_output() for t in fetch_list]
     targets = [op._c_op for op in target_list]
 
-    def step(extra: list[Any]) -> list[Any]:
+    def step(extra: list[Any], extra_feeds: dict[Any, Any]) -> list[Any]:
         def run() -> list[Any]:
             session._extend_graph()
-            return session._call_tf_sessionrun(options, feeds, fetches + extra, targets, run_metadata)
+            return session._call_tf_sessionrun(options, {**feeds, **extra_feeds}, fetches + extra, targets, run_metadata)
 
         return session._do_call(run)
 
@@ -456,7 +456,7 @@ def _decide(graph: Any, config: Any, options: LiveOptions) -> _Decision:
     _record(number, "synchronized", "", result.report)
     report = result.report
     if options.verbose:
-        _note(options, f"graph {number}: " + report.text().rstrip())
+        _note(options, f"graph {number}: " + report.text().removeprefix("bnrewrite: ").rstrip())
     else:
         _note(options, f"graph {number}: " + report.text().splitlines()[0].removeprefix("bnrewrite: ")
               + "".join(f"; {n}" for n in report.notes))

@@ -13,7 +13,8 @@ import pytest
 import tensorflow as tf
 
 import bnrewrite
-from bnrewrite import AlreadyRewrittenError, BnRewriteError, RemovedByRewriteError, rewrite_graph
+from bnrewrite import AlreadyRewrittenError, BnRewriteError, PassError, RemovedByRewriteError, api, rewrite_graph
+from bnrewrite.passes import PIPELINE, dedupe_moving_averages, run_passes
 from models import Spec, assert_synced, build_towers, make_batches, one_device_run, session_config, train, unrewritten_run
 
 tf1 = tf.compat.v1
@@ -165,3 +166,35 @@ def test_already_rewritten_graph_runs_unchanged_and_queue_runners_work(capsys):
     rewrite_graph(graph, in_place=True)
     with tf1.Session(graph=graph, config=session_config(2)) as sess:  # the shadow gets the queue's ops
         assert _dequeued(graph, sess, 5.0) == 5.0
+
+
+@pytest.mark.parametrize("spec", [
+    Spec(towers=2, batch=2, layer="fused_op"), Spec(towers=4, batch=2, layer="legacy_unfused"),
+    Spec(towers=2, batch=2, renorm=True), Spec(towers=2, batch=2, layer="legacy_cond_v1"),
+    Spec(towers=4, batch=2, layer="legacy", data_format="NCHW"),
+], ids=["fused op K2", "moments K4", "renorm K2", "cond v1 K2", "NCHW K4"])
+def test_verify_checks_the_first_step_once(spec, capsys):
+    built = build_towers(spec)
+    with bnrewrite.enabled(verify=True):
+        got = train(built.graph, built, make_batches(spec, 2), num_devices=spec.towers)
+    devices = f"/device:CPU:0..{spec.towers - 1}"
+    lines = [line for line in capsys.readouterr().err.splitlines() if "verified" in line]
+    assert len(lines) == 1 and f"verified 2 layers x {spec.towers} towers on {devices}: worst " in lines[0], lines
+    assert "moving statistics updated once" in lines[0]
+    assert_synced("verify", got, unrewritten_run(spec, 2), one_device_run(spec, 2), 2e-5)  # trained once
+
+
+def test_verify_stops_a_broken_rewrite_after_its_first_step(monkeypatch, capsys):
+    no_dedupe = tuple(p for p in PIPELINE if p is not dedupe_moving_averages)  # every tower's update kept
+    monkeypatch.setattr(api, "run_passes", lambda graph, plan: run_passes(graph, plan, no_dedupe))
+    monkeypatch.setattr(api.meaning, "check_meaning", lambda *args: None)
+    built = build_towers(SPEC)
+    with bnrewrite.enabled(verify=True), pytest.raises(PassError, match="layer net/bn1: .*updated more than once"):
+        train(built.graph, built, make_batches(SPEC, 2), num_devices=2)
+    built = build_towers(SPEC)
+    with bnrewrite.enabled(verify=True, exit_on_refusal=True), pytest.raises(SystemExit) as stopped:
+        train(built.graph, built, make_batches(SPEC, 2), num_devices=2)
+    assert stopped.value.code == 12
+    err = capsys.readouterr().err
+    assert "bnrewrite: error: graph" in err and "the first step failed its check, the script is stopped: " in err
+    assert "layer net/bn1" in err.splitlines()[-1]

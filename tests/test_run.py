@@ -52,7 +52,8 @@ def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("run"))
     started = {
         "references": _start([os.path.join(SCRIPTS, "reference_runs.py"), out, str(K), str(B)], out),
-        "three": _start(["-m", "bnrewrite", "run", "--report", "three.json", os.path.join(SCRIPTS, "three_trainers.py"),
+        "three": _start(["-m", "bnrewrite", "run", "--verify", "--report", "three.json",
+                         os.path.join(SCRIPTS, "three_trainers.py"),
                          "--num_gpus", str(K), "--batch_size", str(B), "--train_dir", "three"], out),
         "slim": _start(["-m", "bnrewrite", "run", os.path.join(SCRIPTS, "slim_train.py"), "--num_clones", str(K),
                         "--batch_size", str(B), "--train_dir", "slim"], out),
@@ -88,6 +89,9 @@ def test_run_reports_every_graph_and_runs_the_eval_graph_unchanged(runs):
     assert "inference mode" in graphs[3]["why"]
     stderr = done["three"].stderr
     assert "bnrewrite: graph 1: 2 batch-norm layer(s) synchronized across 2 towers" in stderr
+    for number in (1, 2, 3):  # --verify: each first step checked (and trained once: the checkpoints match)
+        assert f"bnrewrite: graph {number}: verified 2 layers x 2 towers on /device:GPU:0..1: worst " in stderr
+        assert graphs[number - 1]["verify"]["passed"] and graphs[number - 1]["verify"]["worst"] < 1e-5
     assert "bnrewrite: graph 4 runs unchanged: all 2 batch-norm ops are in inference mode" in stderr
     assert "eval loss" in done["three"].stdout  # the synced checkpoint restores into an un-rewritten graph
 
