@@ -32,6 +32,7 @@ import tensorflow as tf
 from tensorflow.python.training.moving_averages import assign_moving_average
 
 import bnrewrite
+import ticks
 from bnrewrite import BnRewriteError, GraphValidationError, InputFormatError, io, rewrite_graph
 from bnrewrite.io import sniff
 
@@ -490,6 +491,7 @@ def test_in_place_interrupted_anywhere_leaves_the_input_as_it_was(base, kind):
     (the final assembly): the message is equal to before (deterministic bytes: a map's order
     is not part of a message), or the rewrite completed."""
     original = base if kind == "graph_def" else _meta_of(base)
+    rewrite_graph(_copy(original))  # a first rewrite fills caches: the calls counted next are those of every run
     total, _ = _interrupted_at(_copy(original), 0, "raise")
     points = sorted({*range(1, total, max(1, total // 40)), *range(max(1, total - 60), total + 1)})
     before = original.SerializeToString(deterministic=True)
@@ -504,6 +506,80 @@ def test_in_place_interrupted_anywhere_leaves_the_input_as_it_was(base, kind):
             else:
                 assert message.SerializeToString(deterministic=True) != before
     assert interrupted >= len(points)
+
+
+@contextlib.contextmanager
+def _alarm_raises():
+    """SIGALRM's handler raises KeyboardInterrupt, as a signal-based timeout's does."""
+    def on_alarm(signum, frame):
+        raise KeyboardInterrupt("SIGALRM")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _handlers() -> dict:
+    return {s: signal.getsignal(s) for s in signal.valid_signals()}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # generators the interrupt closes
+def test_in_place_exception_at_any_bytecode_from_the_reordering_on(base):
+    """rewrite_graph(message, in_place=True) with an exception at a bytecode from the moment the
+    nodes start being put in order to the call's return instruction (tests/ticks.py; CPython
+    runs no signal handler right before a return, and after it the call has returned): raised
+    there (a MetaGraphDef: at the first bytecode of each line of bnrewrite's code in that span,
+    and at its first and last), or by a SIGALRM handler, as pytest-timeout's, that a signal sent
+    there runs (a GraphDef and a MetaGraphDef: 12 points spread over it). The message is
+    byte-identical to before, or, when the exception was lost (one raised in a finished
+    generator's close is only printed), the rewrite's result; the signal handlers are as they
+    were."""
+    from bnrewrite.graph import Graph
+
+    start, outer = Graph.to_graph_def.__code__, bnrewrite.api.rewrite_graph.__code__
+    handlers = _handlers()
+    bad = []
+    for kind, original in (("graph_def", base), ("meta_graph_def", _meta_of(base))):
+        before = original.SerializeToString(deterministic=True)
+        result = rewrite_graph(original)
+        expected = (result.meta_graph_def if kind == "meta_graph_def" else result.graph_def).SerializeToString(
+            deterministic=True)
+
+        def interrupted(n: int, action) -> tuple[bytes, list]:
+            """The message's bytes after the call interrupted at tick n, and the ticks seen ([]: interrupted)."""
+            message = _copy(original)  # noqa: B023 - called in this iteration only
+            try:
+                seen = ticks.run_ticked(lambda: rewrite_graph(message, in_place=True), start, outer, n, action)
+            except KeyboardInterrupt:
+                seen = []
+            return message.SerializeToString(deterministic=True), seen
+
+        done, seen = interrupted(0, None)
+        assert done == expected != before
+        window = seen[:max(i for i, t in enumerate(seen) if t.code is outer and t.event == "opcode")]  # to RETURN_VALUE
+        if kind == "meta_graph_def":
+            package = os.path.dirname(bnrewrite.__file__)
+            points = ticks.spread(window, lambda code: code.co_filename.startswith(package))
+            assert len(points) > 30
+            for n in points:
+                data, seen = interrupted(n, _raise_keyboard_interrupt)
+                signal.signal(signal.SIGINT, handlers[signal.SIGINT])  # a tick inside the handlers' swap may leave one
+                if data != (expected if seen else before):
+                    bad.append((kind, "raise", n, window[n - 1]))
+        with _alarm_raises():
+            for n in sorted({*range(1, len(window) + 1, max(1, len(window) // 11)), len(window)}):
+                data, seen = interrupted(n, lambda: signal.raise_signal(signal.SIGALRM))
+                if seen or data != before:
+                    bad.append((kind, "alarm", n, window[n - 1]))
+            assert {s: h for s, h in _handlers().items() if s != signal.SIGALRM} == {
+                s: h for s, h in handlers.items() if s != signal.SIGALRM}
+    assert bad == []
+
+
+def _raise_keyboard_interrupt() -> None:
+    raise KeyboardInterrupt("injected")
 
 
 def test_in_place_pass_failure_leaves_the_input_as_it_was(base, monkeypatch):
