@@ -10,7 +10,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
@@ -80,7 +80,8 @@ def _signals_held() -> Iterator[None]:
     """Every signal with a Python handler (SIGINT's KeyboardInterrupt, a timeout's SIGALRM, ...)
     that arrives during the block is held back and handed to its handler (once, as the
     operating system merges a signal repeated before it is handled) when the block ends, so
-    that no handler's exception stops the block's steps midway. Signals reach Python
+    that no handler's exception stops the block's steps midway. Every handler is put back and
+    every held signal handed on even when a handler raises meanwhile. Signals reach Python
     handlers only in the main thread: elsewhere nothing needs holding."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -95,19 +96,19 @@ def _signals_held() -> Iterator[None]:
                 signal.signal(signum, lambda number, frame: held.setdefault(number, frame))
         yield
     finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        _deliver(list(held.items()), handlers)
-
-
-def _deliver(held: list[tuple[int, Any]], handlers: dict[int, Any]) -> None:
-    """Call each held signal's handler in turn, every one even when one raises."""
-    if held:
         try:
-            signum, frame = held[0]
-            handlers[signum](signum, frame)
+            _each(list(handlers.items()), lambda item: signal.signal(*item))
         finally:
-            _deliver(held[1:], handlers)
+            _each(list(held.items()), lambda item: handlers[item[0]](*item))
+
+
+def _each(items: list[Any], call: Callable[[Any], Any]) -> None:
+    """call(item) for every item in turn, every one even when one raises."""
+    if items:
+        try:
+            call(items[0])
+        finally:
+            _each(items[1:], call)
 
 
 @dataclass

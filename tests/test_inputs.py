@@ -8,7 +8,8 @@
   strings with a task that is no number, edges of a dtype their consumer does not take, long
   Identity chains, self-loops);
 - graph queries stay linear with one node reading every node;
-- in_place leaves the caller's message as it was after an exception or Ctrl-C at any point;
+- in_place leaves the caller's message as it was after an exception at any point, at any bytecode from
+  the reordering on, a signal handler's (SIGINT, SIGALRM) included;
 - rewrite_graph's arguments and a tf.Graph that changes while it is read;
 - messages: NaN epsilon, towers without a device, inspect --json on failure.
 """
@@ -522,7 +523,8 @@ def _alarm_raises():
 
 
 def _handlers() -> dict:
-    return {s: signal.getsignal(s) for s in signal.valid_signals()}
+    """The Python handler of each signal that has one."""
+    return {s: h for s in signal.valid_signals() if callable(h := signal.getsignal(s))}
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # generators the interrupt closes
@@ -540,23 +542,23 @@ def test_in_place_exception_at_any_bytecode_from_the_reordering_on(base):
 
     start, outer = Graph.to_graph_def.__code__, bnrewrite.api.rewrite_graph.__code__
     handlers = _handlers()
+
+    def interrupted(original, n: int, action) -> tuple[bytes, list]:
+        """The message's bytes after the call interrupted at tick n, and the ticks seen ([]: interrupted)."""
+        message = _copy(original)
+        try:
+            seen = ticks.run_ticked(lambda: rewrite_graph(message, in_place=True), start, outer, n, action)
+        except KeyboardInterrupt:
+            seen = []
+        return message.SerializeToString(deterministic=True), seen
+
     bad = []
     for kind, original in (("graph_def", base), ("meta_graph_def", _meta_of(base))):
         before = original.SerializeToString(deterministic=True)
         result = rewrite_graph(original)
         expected = (result.meta_graph_def if kind == "meta_graph_def" else result.graph_def).SerializeToString(
             deterministic=True)
-
-        def interrupted(n: int, action) -> tuple[bytes, list]:
-            """The message's bytes after the call interrupted at tick n, and the ticks seen ([]: interrupted)."""
-            message = _copy(original)  # noqa: B023 - called in this iteration only
-            try:
-                seen = ticks.run_ticked(lambda: rewrite_graph(message, in_place=True), start, outer, n, action)
-            except KeyboardInterrupt:
-                seen = []
-            return message.SerializeToString(deterministic=True), seen
-
-        done, seen = interrupted(0, None)
+        done, seen = interrupted(original, 0, None)
         assert done == expected != before
         window = seen[:max(i for i, t in enumerate(seen) if t.code is outer and t.event == "opcode")]  # to RETURN_VALUE
         if kind == "meta_graph_def":
@@ -564,13 +566,14 @@ def test_in_place_exception_at_any_bytecode_from_the_reordering_on(base):
             points = ticks.spread(window, lambda code: code.co_filename.startswith(package))
             assert len(points) > 30
             for n in points:
-                data, seen = interrupted(n, _raise_keyboard_interrupt)
-                signal.signal(signal.SIGINT, handlers[signal.SIGINT])  # a tick inside the handlers' swap may leave one
+                data, seen = interrupted(original, n, _raise_keyboard_interrupt)
+                for signum, handler in handlers.items():  # a tick inside the handlers' swap may leave one held
+                    signal.signal(signum, handler)
                 if data != (expected if seen else before):
                     bad.append((kind, "raise", n, window[n - 1]))
         with _alarm_raises():
             for n in sorted({*range(1, len(window) + 1, max(1, len(window) // 11)), len(window)}):
-                data, seen = interrupted(n, lambda: signal.raise_signal(signal.SIGALRM))
+                data, seen = interrupted(original, n, lambda: signal.raise_signal(signal.SIGALRM))
                 if seen or data != before:
                     bad.append((kind, "alarm", n, window[n - 1]))
             assert {s: h for s, h in _handlers().items() if s != signal.SIGALRM} == {
