@@ -8,7 +8,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
@@ -72,24 +72,39 @@ def _gc_paused() -> Iterator[None]:
 
 
 @contextmanager
-def _interrupts_deferred() -> Iterator[None]:
-    """A SIGINT (Ctrl-C) that arrives during the block is held back and raised as
-    KeyboardInterrupt when the block ends, so that the block's steps run all or not at all
-    and the code after knows which. Signals reach Python only in the main thread."""
+def _signals_held() -> Iterator[None]:
+    """Every signal with a Python handler (SIGINT's KeyboardInterrupt, a timeout's SIGALRM, ...)
+    that arrives during the block is held back and handed to its handler (once, as the
+    operating system merges a signal repeated before it is handled) when the block ends, so
+    that no handler's exception stops the block's steps midway. Every handler is put back and
+    every held signal handed on even when a handler raises meanwhile. Signals reach Python
+    handlers only in the main thread: elsewhere nothing needs holding."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    received: list[tuple[Any, ...]] = []
-    previous = signal.signal(signal.SIGINT, lambda *args: received.append(args))
+    held: dict[int, Any] = {}  # signal number -> the frame it arrived in, in order of arrival
+    handlers: dict[int, Any] = {}
     try:
+        for signum in signal.valid_signals():
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                handlers[signum] = handler  # recorded first: the finally puts back what was replaced
+                signal.signal(signum, lambda number, frame: held.setdefault(number, frame))
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if received and previous is not signal.SIG_IGN:
-            if callable(previous):
-                previous(*received[0])  # Python's default handler raises KeyboardInterrupt
-            else:
-                raise KeyboardInterrupt
+        try:
+            _each(list(handlers.items()), lambda item: signal.signal(*item))
+        finally:
+            _each(list(held.items()), lambda item: handlers[item[0]](*item))
+
+
+def _each(items: list[Any], call: Callable[[Any], Any]) -> None:
+    """call(item) for every item in turn, every one even when one raises."""
+    if items:
+        try:
+            call(items[0])
+        finally:
+            _each(items[1:], call)
 
 
 @dataclass
@@ -169,11 +184,11 @@ def rewrite_graph(
     try:
         with _gc_paused():
             result = _rewrite(graph_def, meta, storage, options, if_rewritten, undo)
+        return result  # inside the try: an exception up to the return itself is undone
     except BaseException:
-        with _interrupts_deferred():
+        with _signals_held():
             undo.restore()
         raise
-    return result
 
 
 def _rewrite(
@@ -240,7 +255,7 @@ def _rewrite(
         if not options.timeout_seconds:
             report.notes.append("no collective timeout: a worker that never joins makes the others wait forever")
     removed = {r["node"] for r in report.removed}
-    with _interrupts_deferred():  # the caller's GraphDef changes here when in place: in steps undo can take back
+    with _signals_held():  # the caller's GraphDef changes here when in place: in steps undo can take back
         undo.graph = rewritten
         out_def = rewritten.to_graph_def()  # uses `rewritten` (and the storage `combined` reads) up
         if meta is not None:

@@ -220,33 +220,36 @@ class Graph:
         return storage
 
     def _assemble_in_place(self) -> graph_pb2.GraphDef:
-        """to_graph_def for a GraphDef rewritten in place, in steps `undo_in_place` can take back
-        from any point: one sort (it completes or leaves the nodes as they were), then the
-        stale nodes cut off but kept alive, then the library."""
+        """to_graph_def for a GraphDef rewritten in place, in steps `undo_in_place` takes back
+        from any bytecode on, an exception raised there by a signal handler included: each step
+        is one protobuf call (it completes or changes nothing) and is recorded before it is
+        taken, and the undo reads from the GraphDef itself which steps were taken. The steps:
+        one sort, the stale nodes cut off (kept alive), the library."""
         nodes, positions = self._stored, list(self._nodes.values())
-        kept = len(positions)
-        keys = list(range(kept, kept + len(nodes)))  # stale nodes go after the kept ones, in their order
+        kept, total = len(positions), len(nodes)
+        keys = list(range(kept, kept + total))  # stale nodes go after the kept ones, in their order
         for rank, p in enumerate(positions):
             keys[p] = rank
-        undo = self._undo = _InPlaceUndo(keys)
-        if positions != list(range(kept)):
+        moved = next((i for i, key in enumerate(keys) if key != i), None)
+        undo = self._undo = _InPlaceUndo(keys, total, moved, None if moved is None else nodes[moved])
+        if moved is not None:
             ranks = iter(keys)
             nodes.sort(key=lambda _: next(ranks))
-            undo.sorted = True
         undo.stale = list(nodes[kept:])  # removed from the GraphDef, these stay valid messages
         del nodes[kept:]
-        undo.cut = True
         if self._library is not None:
             storage = self._storage
-            undo.library = type(storage.library)()
-            undo.library.CopyFrom(storage.library)
+            library = type(storage.library)()
+            library.CopyFrom(storage.library)
             undo.had_library = storage.HasField("library")
+            undo.library = library
             storage.library.CopyFrom(self._library)
         return self._storage
 
     def undo_in_place(self) -> None:
-        """Put a GraphDef rewritten in place back as it was before `to_graph_def` (the nodes the
-        edits appended stay, after the original ones: the caller drops them)."""
+        """Put a GraphDef rewritten in place back as it was before `to_graph_def`, wherever
+        that stopped (the nodes the edits appended stay, after the original ones: the caller
+        drops them). Putting back what was never changed changes nothing."""
         undo = self._undo
         if undo is None:
             return
@@ -256,14 +259,15 @@ class Graph:
                 self._storage.library.CopyFrom(undo.library)
             else:
                 self._storage.ClearField("library")
-        if undo.cut:
-            nodes.extend(undo.stale)
-        if undo.sorted or undo.cut:
+        cut = len(nodes) < undo.total  # then `stale` was recorded
+        if cut:
+            nodes.extend(undo.stale or ())
+        # Sorted: the sort moved another node to the first slot it changes (messages keep
+        # their Python object while one refers to them); a cut comes after the sort.
+        if undo.moved is not None and (cut or nodes[undo.moved] is not undo.first_moved):
             # Slot j now holds the node that was at the j-th smallest key's position.
-            origin = sorted(range(len(undo.keys)), key=undo.keys.__getitem__)
-            if origin != list(range(len(origin))):
-                back = iter(origin)
-                nodes.sort(key=lambda _: next(back))
+            back = iter(sorted(range(len(undo.keys)), key=undo.keys.__getitem__))
+            nodes.sort(key=lambda _: next(back))
         self._undo = None
 
     def _node_at(self, position: int) -> NodeDef:
@@ -590,12 +594,15 @@ class _Change:
 
 @dataclass
 class _InPlaceUndo:
-    """How far `_assemble_in_place` got: `keys` sorted the nodes, `stale` holds the nodes cut."""
+    """What `_assemble_in_place` may have changed: `keys` sort the `total` nodes, the first
+    slot the sort changes is `moved` (None: no sort), which held `first_moved`; `stale` the
+    nodes the cut takes off; the `library` before (and whether there was one)."""
 
     keys: list[int]
-    sorted: bool = False
+    total: int
+    moved: int | None
+    first_moved: NodeDef | None
     stale: list[NodeDef] | None = None
-    cut: bool = False
     library: Any = None
     had_library: bool = False
 

@@ -14,6 +14,7 @@ from bnrewrite.errors import GraphValidationError, PassError
 from bnrewrite.graph import Graph, _consumer_index, parse_input
 from bnrewrite.passes import run_passes
 from bnrewrite.passes.record import PassRecord
+from ticks import run_ticked
 
 
 def _small_graph() -> Graph:
@@ -97,6 +98,51 @@ def test_removing_what_nothing_reads_is_valid():
     result = _run(graph, lambda e: e.remove("c"))
     assert "c" not in result and result.consumers == _scratch_index(result)
     _assert_numbering_orders_edges(result)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # generators the exception closes
+def test_in_place_assembly_is_undone_from_any_bytecode():
+    """An exception at each bytecode of `to_graph_def` in place (every trace event: the sort's
+    key calls, the cut, the library), as a signal handler's would be: `undo_in_place` and
+    dropping what the edits appended give back the input byte for byte. Uninterrupted, the
+    result is the copying assembly's (so is it when the exception is lost: one raised while a
+    finished generator is closed is only printed)."""
+    source = _small_graph().to_graph_def()
+    source.library.function.add().signature.name = "old_fn"
+    before = source.SerializeToString(deterministic=True)
+
+    def edit(editor):
+        editor.add(_node(editor, "d", "Neg", ["b"]))
+        editor.replace(_node(editor, "b", "Sub", ["a", "two"]))
+        editor.remove("c")
+        editor.mutable("a").input[1] = "x"
+        editor.library = type(source.library)()
+        editor.library.function.add().signature.name = "new_fn"
+
+    def assembled(n: int) -> tuple[bytes, int]:
+        """The GraphDef's bytes after the assembly interrupted at tick n and undone (or not
+        interrupted), and the ticks seen (0 when interrupted)."""
+        graph_def = tf.compat.v1.GraphDef()
+        graph_def.CopyFrom(source)
+        graph = _run(Graph.from_graph_def(graph_def, storage=graph_def), edit)
+
+        def stop() -> None:
+            raise KeyboardInterrupt(f"tick {n}")
+
+        try:
+            seen = len(run_ticked(graph.to_graph_def, Graph.to_graph_def.__code__, Graph.to_graph_def.__code__, n, stop))
+        except KeyboardInterrupt:
+            graph.undo_in_place()
+            del graph_def.node[len(source.node):]
+            seen = 0
+        return graph_def.SerializeToString(deterministic=True), seen
+
+    done, total = assembled(0)
+    expected = _run(Graph.from_graph_def(source), edit).to_graph_def().SerializeToString(deterministic=True)
+    assert done == expected != before and total > 100
+    outcomes = [assembled(n) for n in range(1, total + 1)]
+    assert [n for n, (data, seen) in enumerate(outcomes, 1) if data != (expected if seen else before)] == []
+    assert sum(not seen for _, seen in outcomes) >= total - 5
 
 
 def test_an_edit_that_changes_nothing_returns_the_base():

@@ -8,7 +8,8 @@
   strings with a task that is no number, edges of a dtype their consumer does not take, long
   Identity chains, self-loops);
 - graph queries stay linear with one node reading every node;
-- in_place leaves the caller's message as it was after an exception or Ctrl-C at any point;
+- in_place leaves the caller's message as it was after an exception at any point, at any bytecode from
+  the reordering on, a signal handler's (SIGINT, SIGALRM) included;
 - rewrite_graph's arguments and a tf.Graph that changes while it is read;
 - messages: NaN epsilon, towers without a device, inspect --json on failure.
 """
@@ -32,6 +33,7 @@ import tensorflow as tf
 from tensorflow.python.training.moving_averages import assign_moving_average
 
 import bnrewrite
+import ticks
 from bnrewrite import BnRewriteError, GraphValidationError, InputFormatError, io, rewrite_graph
 from bnrewrite.io import sniff
 
@@ -490,6 +492,7 @@ def test_in_place_interrupted_anywhere_leaves_the_input_as_it_was(base, kind):
     (the final assembly): the message is equal to before (deterministic bytes: a map's order
     is not part of a message), or the rewrite completed."""
     original = base if kind == "graph_def" else _meta_of(base)
+    rewrite_graph(_copy(original))  # a first rewrite fills caches: the calls counted next are those of every run
     total, _ = _interrupted_at(_copy(original), 0, "raise")
     points = sorted({*range(1, total, max(1, total // 40)), *range(max(1, total - 60), total + 1)})
     before = original.SerializeToString(deterministic=True)
@@ -504,6 +507,82 @@ def test_in_place_interrupted_anywhere_leaves_the_input_as_it_was(base, kind):
             else:
                 assert message.SerializeToString(deterministic=True) != before
     assert interrupted >= len(points)
+
+
+@contextlib.contextmanager
+def _alarm_raises():
+    """SIGALRM's handler raises KeyboardInterrupt, as a signal-based timeout's does."""
+    def on_alarm(signum, frame):
+        raise KeyboardInterrupt("SIGALRM")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _handlers() -> dict:
+    """The Python handler of each signal that has one."""
+    return {s: h for s in signal.valid_signals() if callable(h := signal.getsignal(s))}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # generators the interrupt closes
+def test_in_place_exception_at_any_bytecode_from_the_reordering_on(base):
+    """rewrite_graph(message, in_place=True) with an exception at a bytecode from the moment the
+    nodes start being put in order to the call's return instruction (tests/ticks.py; CPython
+    runs no signal handler right before a return, and after it the call has returned): raised
+    there (a MetaGraphDef: at the first bytecode of each line of bnrewrite's code in that span,
+    and at its first and last), or by a SIGALRM handler, as pytest-timeout's, that a signal sent
+    there runs (a GraphDef and a MetaGraphDef: 12 points spread over it). The message is
+    byte-identical to before, or, when the exception was lost (one raised in a finished
+    generator's close is only printed), the rewrite's result; the signal handlers are as they
+    were."""
+    from bnrewrite.graph import Graph
+
+    start, outer = Graph.to_graph_def.__code__, bnrewrite.api.rewrite_graph.__code__
+    handlers = _handlers()
+
+    def interrupted(original, n: int, action) -> tuple[bytes, list]:
+        """The message's bytes after the call interrupted at tick n, and the ticks seen ([]: interrupted)."""
+        message = _copy(original)
+        try:
+            seen = ticks.run_ticked(lambda: rewrite_graph(message, in_place=True), start, outer, n, action)
+        except KeyboardInterrupt:
+            seen = []
+        return message.SerializeToString(deterministic=True), seen
+
+    bad = []
+    for kind, original in (("graph_def", base), ("meta_graph_def", _meta_of(base))):
+        before = original.SerializeToString(deterministic=True)
+        result = rewrite_graph(original)
+        expected = (result.meta_graph_def if kind == "meta_graph_def" else result.graph_def).SerializeToString(
+            deterministic=True)
+        done, seen = interrupted(original, 0, None)
+        assert done == expected != before
+        window = seen[:max(i for i, t in enumerate(seen) if t.code is outer and t.event == "opcode")]  # to RETURN_VALUE
+        if kind == "meta_graph_def":
+            package = os.path.dirname(bnrewrite.__file__)
+            points = ticks.spread(window, lambda code: code.co_filename.startswith(package))
+            assert len(points) > 30
+            for n in points:
+                data, seen = interrupted(original, n, _raise_keyboard_interrupt)
+                for signum, handler in handlers.items():  # a tick inside the handlers' swap may leave one held
+                    signal.signal(signum, handler)
+                if data != (expected if seen else before):
+                    bad.append((kind, "raise", n, window[n - 1]))
+        with _alarm_raises():
+            for n in sorted({*range(1, len(window) + 1, max(1, len(window) // 11)), len(window)}):
+                data, seen = interrupted(original, n, lambda: signal.raise_signal(signal.SIGALRM))
+                if seen or data != before:
+                    bad.append((kind, "alarm", n, window[n - 1]))
+            assert {s: h for s, h in _handlers().items() if s != signal.SIGALRM} == {
+                s: h for s, h in handlers.items() if s != signal.SIGALRM}
+    assert bad == []
+
+
+def _raise_keyboard_interrupt() -> None:
+    raise KeyboardInterrupt("injected")
 
 
 def test_in_place_pass_failure_leaves_the_input_as_it_was(base, monkeypatch):

@@ -19,7 +19,7 @@ import pytest
 from model_files import cached_models, tree_snapshot
 
 from bnrewrite import cli, io
-from bnrewrite.errors import GraphValidationError, OutputError, PassError
+from bnrewrite.errors import GraphValidationError, InputFormatError, OutputError, PassError
 from bnrewrite.io import staging
 from bnrewrite.io.staging import OLD_PREFIX, TEMP_PREFIX
 
@@ -151,6 +151,34 @@ def test_saved_model_links_that_leave_it_are_refused(model_copy, tmp_path, capsy
     before = tree_snapshot(str(tmp_path))
     code, out, err = convert(capsys, str(model_copy), str(tmp_path / "out"), "--tags", "train")
     assert code == 3 and re.search(message, err), err
+    assert tree_snapshot(str(tmp_path)) == before
+
+
+@pytest.mark.parametrize("moved,link,target", [
+    ("saved_model.pb", "saved_model.pb", "../outside/saved_model.pb"),
+    ("saved_model.pb", "saved_model.pb", "ABSOLUTE"),
+    ("variables", "variables", "../outside/variables"),
+    ("variables/variables.index", "variables/variables.index", "../../outside/variables.index"),
+])
+def test_saved_model_graph_file_and_variables_through_links_that_leave_it_are_refused(
+        model_copy, tmp_path, capsys, moved, link, target):
+    """What bnrewrite reads (the graph file) and what it copies unchanged (variables/) are held
+    to the same rule as every other link: refused before anything is read or written, by the
+    API (io.load) and by convert (exit 3), whatever the output format, and by inspect."""
+    outside = tmp_path / "outside" / os.path.basename(moved)
+    outside.parent.mkdir()
+    shutil.move(str(model_copy / moved), str(outside))
+    os.symlink(str(outside) if target == "ABSOLUTE" else target, model_copy / link)
+    shown_target = re.escape(str(outside) if target == "ABSOLUTE" else target)
+    message = rf"^SavedModel \S+: {re.escape(link)} is a link to {shown_target}, outside the model directory; .*replace the link"
+    with pytest.raises(InputFormatError, match=message):
+        io.load(str(model_copy))
+    before = tree_snapshot(str(tmp_path))
+    for extra in ([], ["--format", "meta"]):
+        code, out, err = convert(capsys, str(model_copy), str(tmp_path / "out"), "--tags", "train", *extra)
+        assert code == 3 and re.search(message[1:], err) and len(err.strip().splitlines()) == 1 and not out, err
+    assert cli.main(["inspect", str(model_copy)]) == 3
+    assert re.search(message[1:], capsys.readouterr().err)
     assert tree_snapshot(str(tmp_path)) == before
 
 

@@ -28,25 +28,29 @@ def check_input(path: str) -> None:
     if not os.path.exists(path):
         raise InputFormatError(f"{where} is a broken symbolic link; check the path")
     if os.path.isdir(path):
-        _check_file(os.path.join(path, _saved_model_graph_file(path)))
-        _check_saved_model_contents(path)
+        name = _saved_model_graph_file(path)
+        _check_saved_model_contents(path)  # first: the graph file may be a link that leaves the model
+        _check_file(os.path.join(path, name))
         return
     _check_file(path)
 
 
 def _check_saved_model_contents(path: str) -> None:
-    """What a SavedModel's copy would fail on, named as the input's problem: a FIFO, socket or
-    device inside it (reading one blocks or never ends) or a file or folder that cannot be
-    read. Symbolic links are left to the copy, which decides about them."""
+    """What reading or copying a SavedModel would fail on, named as the input's problem: a
+    symbolic link that leaves the model directory or leads nowhere (the graph file, variables/
+    and what is inside it too: bnrewrite reads nothing outside the model), a FIFO, socket or
+    device (reading one blocks or never ends), a file or folder that cannot be read."""
     def unreadable(error: OSError) -> None:
         raise InputFormatError(f"cannot read {shown(error.filename or path)} inside SavedModel {shown(path)}: "
                                f"{error.strerror or error}")
 
-    for folder, dirs, files in os.walk(path, onerror=unreadable):
+    real_root = os.path.realpath(path)
+    for folder, dirs, files in os.walk(path, onerror=unreadable):  # links are listed, not followed
         for name in (*dirs, *files):
             entry = os.path.join(folder, name)
             info = os.lstat(entry)
             if stat.S_ISLNK(info.st_mode):
+                inside_link(path, real_root, os.path.relpath(entry, path))
                 continue
             if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
                 raise InputFormatError(
@@ -55,6 +59,23 @@ def _check_saved_model_contents(path: str) -> None:
             if not os.access(entry, os.R_OK | (os.X_OK if stat.S_ISDIR(info.st_mode) else 0)):
                 raise InputFormatError(f"cannot read {os.path.relpath(entry, path)} inside SavedModel {shown(path)}: "
                                        "permission denied")
+
+
+def inside_link(root: str, real_root: str, rel: str) -> str:
+    """The link `rel` of the model at `root` (`real_root` its real path) as a relative link that
+    resolves in a copy. Raises InputFormatError when it leaves the model or leads nowhere."""
+    full = os.path.join(root, rel)
+    target = os.path.realpath(full)
+    if target != real_root and not target.startswith(real_root.rstrip(os.sep) + os.sep):
+        raise InputFormatError(
+            f"SavedModel {shown(root)}: {shown(rel)} is a link to {shown(os.readlink(full))}, outside the model "
+            "directory; bnrewrite reads only what is inside it: replace the link by what it points to"
+        )
+    if not os.path.exists(target):
+        raise InputFormatError(f"SavedModel {shown(root)}: {shown(rel)} is a broken link (to {shown(os.readlink(full))}); "
+                               "remove it or restore what it points to")
+    # A walk enters no link, so the link's own directory is real_root/dirname(rel).
+    return os.path.relpath(target, os.path.join(real_root, os.path.dirname(rel)))
 
 
 def _kind(mode: int) -> str:
@@ -127,7 +148,8 @@ def _read(path: str, size: int = -1) -> bytes:
 def _saved_model_graph_file(path: str) -> str:
     """saved_model.pb or saved_model.pbtxt of the SavedModel directory `path`."""
     for name in (SAVED_MODEL_PB, SAVED_MODEL_PBTXT):
-        if os.path.isfile(os.path.join(path, name)):
+        graph_file = os.path.join(path, name)
+        if os.path.isfile(graph_file) or os.path.islink(graph_file):  # a link: _check_saved_model_contents judges it
             return name
     raise InputFormatError(
         f"{shown(path)} is a directory but not a SavedModel (it has no {SAVED_MODEL_PB} or {SAVED_MODEL_PBTXT}); "

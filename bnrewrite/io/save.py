@@ -23,6 +23,7 @@ from bnrewrite.io.model import (
     protos,
     shown,
 )
+from bnrewrite.io.load import inside_link
 from bnrewrite.io.staging import SAVED_MODEL, Outputs, describe
 
 #: Bytes read at a time when copying a SavedModel's files.
@@ -130,7 +131,7 @@ def model_tree(root: str) -> list[tuple[str, str, str]]:
             except OSError as exc:
                 raise InputFormatError(f"cannot read {shown(full)}: {exc.strerror or exc}") from None
             if stat.S_ISLNK(mode):
-                entries.append((rel, "link", _inside_link(root, real_root, rel)))
+                entries.append((rel, "link", inside_link(root, real_root, rel)))
             elif stat.S_ISDIR(mode):
                 entries.append((rel, "dir", ""))
                 pending.append(rel)
@@ -143,22 +144,6 @@ def model_tree(root: str) -> list[tuple[str, str, str]]:
                 )
     entries.sort(key=lambda e: e[0].split(os.sep))
     return entries
-
-
-def _inside_link(root: str, real_root: str, rel: str) -> str:
-    """The link `rel` of the model at `root` as a relative link that resolves in a copy."""
-    full = os.path.join(root, rel)
-    target = os.path.realpath(full)
-    if target != real_root and not target.startswith(real_root.rstrip(os.sep) + os.sep):
-        raise InputFormatError(
-            f"SavedModel {shown(root)}: {shown(rel)} is a link to {shown(os.readlink(full))}, outside the model "
-            "directory; bnrewrite copies only what is inside it: replace the link by what it points to"
-        )
-    if not os.path.exists(target):
-        raise InputFormatError(f"SavedModel {shown(root)}: {shown(rel)} is a broken link (to {shown(os.readlink(full))}); "
-                               "remove it or restore what it points to")
-    # The walk enters no link, so the link's own directory is real_root/dirname(rel).
-    return os.path.relpath(target, os.path.join(real_root, os.path.dirname(rel)))
 
 
 def _copy_tree(root: str, tree: list[tuple[str, str, str]], target: str) -> None:
