@@ -16,6 +16,7 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
 from bnrewrite import functions, handles, meaning
+from bnrewrite.collections_def import drop_removed
 from bnrewrite.errors import (
     AlreadyRewrittenError,
     BackendError,
@@ -23,7 +24,7 @@ from bnrewrite.errors import (
     InferenceOnlyError,
     NoBatchNormError,
 )
-from bnrewrite.graph import Graph, copy_fields, parse_input
+from bnrewrite.graph import Graph, copy_fields
 from bnrewrite.match.sites import Census, scan
 from bnrewrite.collectives import BACKENDS
 from bnrewrite.match.towers import TOWER_BY
@@ -270,7 +271,7 @@ def _rewrite(
         undo.graph = rewritten
         out_def = rewritten.to_graph_def()  # uses `rewritten` (and the storage `combined` reads) up
         if meta is not None:
-            _drop_from_collections(meta, removed, undo.collections)
+            drop_removed(meta, removed, undo.collections)
     return RewriteResult(out_def, meta, report)
 
 
@@ -332,19 +333,6 @@ def _export(graph: Any, attempts: int = 3) -> meta_graph_pb2.MetaGraphDef:
     raise BnRewriteError(
         f"the tf.Graph could not be read whole{failure}: is another thread adding ops to it? "
         "Rewrite it once it is built, or pass graph.as_graph_def() or a MetaGraphDef")
-
-
-def _drop_from_collections(meta: meta_graph_pb2.MetaGraphDef, removed: set[str], log: list[tuple[Any, list[str]]]) -> None:
-    """Removed ops leave every collection that listed them; `log` gets each changed list and
-    its values before."""
-    for collection in meta.collection_def.values():
-        if collection.WhichOneof("kind") == "node_list":
-            values = collection.node_list.value
-            kept = [v for v in values if parse_input(v)[0] not in removed]
-            if len(kept) != len(values):
-                log.append((values, list(values)))
-                del values[:]
-                values.extend(kept)
 
 
 def _report(plan: Plan, records: list[PassRecord], census: Census, before: int, after: int) -> Report:
