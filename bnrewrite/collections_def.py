@@ -20,6 +20,8 @@ from bnrewrite.graph import parse_input
 #: The collections whose items are serialized control-flow contexts, and their proto types.
 CONTEXT_COLLECTIONS = {"cond_context": control_flow_pb2.CondContextDef,
                        "while_context": control_flow_pb2.WhileContextDef}
+#: What `prune_context` did to a context.
+INTACT, PRUNED, DROPPED = "intact", "pruned", "dropped"
 
 
 def drop_removed(meta: meta_graph_pb2.MetaGraphDef, removed: set[str], log: list[tuple[Any, list[Any]]]) -> None:
@@ -47,9 +49,6 @@ def drop_removed(meta: meta_graph_pb2.MetaGraphDef, removed: set[str], log: list
             log.append((values, list(values)))
             del values[:]
             values.extend(kept)
-
-
-INTACT, PRUNED, DROPPED = "intact", "pruned", "dropped"
 
 
 def prune_context(context: Any, removed: set[str]) -> str:
