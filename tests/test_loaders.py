@@ -182,3 +182,18 @@ def test_while_and_nested_contexts_keep_only_nodes_that_remain():
         with tf.compat.v1.Session() as sess:
             assert sess.run("a/out:0") == 3
     assert imported.get_operation_by_name("a/while/add")._get_control_flow_context().name == "a/while/while_context"
+
+
+def test_input_whose_collections_do_not_load_is_refused(written, tmp_path, capsys):
+    """A .meta whose own collection names a node it lacks: the loader rejects the input too, so
+    convert says the input is at fault (GraphValidationError, exit 11) and writes nothing."""
+    from bnrewrite import GraphValidationError
+
+    meta = tf.compat.v1.MetaGraphDef.FromString(open(written("cond_v1").meta, "rb").read())
+    meta.collection_def["train_op"].node_list.value.append("no_such_op")
+    source, out = tmp_path / "stale.meta", tmp_path / "out.meta"
+    source.write_bytes(meta.SerializeToString())
+    assert main(["convert", str(source), str(out)]) == GraphValidationError.exit_code
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "neither does the input graph itself" in err and "no_such_op" in err, err
+    assert not out.exists()
