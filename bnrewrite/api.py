@@ -15,13 +15,14 @@ from tensorflow.core.protobuf import meta_graph_pb2
 
 from bnrewrite import functions, handles, meaning
 from bnrewrite.arguments import check_arguments
+from bnrewrite.collections_def import drop_removed
 from bnrewrite.errors import (
     AlreadyRewrittenError,
     BnRewriteError,
     InferenceOnlyError,
     NoBatchNormError,
 )
-from bnrewrite.graph import Graph, copy_fields, parse_input, tensor_name
+from bnrewrite.graph import Graph, copy_fields, tensor_name
 from bnrewrite.match.sites import Census, Site, normalization, scan
 from bnrewrite.nodes import MARK
 from bnrewrite.opcheck import check_nodes
@@ -259,7 +260,7 @@ def _rewrite(
         undo.graph = rewritten
         out_def = rewritten.to_graph_def()  # uses `rewritten` (and the storage `combined` reads) up
         if meta is not None:
-            _drop_from_collections(meta, removed, undo.collections)
+            drop_removed(meta, removed, undo.collections)
     return RewriteResult(out_def, meta, report)
 
 
@@ -325,19 +326,6 @@ def _export(graph: Any, attempts: int = 3) -> meta_graph_pb2.MetaGraphDef:
     raise BnRewriteError(
         f"the tf.Graph could not be read whole{failure}: is another thread adding ops to it? "
         "Rewrite it once it is built, or pass graph.as_graph_def() or a MetaGraphDef")
-
-
-def _drop_from_collections(meta: meta_graph_pb2.MetaGraphDef, removed: set[str], log: list[tuple[Any, list[str]]]) -> None:
-    """Removed ops leave every collection that listed them; `log` gets each changed list and
-    its values before."""
-    for collection in meta.collection_def.values():
-        if collection.WhichOneof("kind") == "node_list":
-            values = collection.node_list.value
-            kept = [v for v in values if parse_input(v)[0] not in removed]
-            if len(kept) != len(values):
-                log.append((values, list(values)))
-                del values[:]
-                values.extend(kept)
 
 
 def _report(graph: Graph, plan: Plan, records: list[PassRecord], census: Census, before: int, after: int) -> Report:

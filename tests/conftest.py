@@ -56,11 +56,16 @@ SLOW_TESTS = (
         "fused op", "fused NCHW", "fused float16", "fused bfloat16", "renorm", "moments cond v1", "fused cond v1",
         "fused 4 towers")),
     "test_stepcheck.py::test_verify_on_a_file",
+    "test_loaders.py::test_converted_output_loads_and_trains_like_one_device",
+    "test_loaders.py::test_to_graph_imports_and_contexts_name_only_nodes_that_remain",
 )
-#: ... except these oracle cases, which keep one fused and one legacy layer in the fast subset.
+#: ... except these cases, which keep one fused and one legacy layer of the oracle, and the legacy
+#: layer under a v1 cond loaded from every format, in the fast subset.
 FAST_ORACLE = frozenset({
     "test_oracle.py::test_rewritten_towers_train_like_one_device[K2-legacy-NHWC-float32-local]",
     "test_oracle.py::test_rewritten_towers_train_like_one_device[K4-fused_op-NCHW-float32-collective]",
+    *(f"test_loaders.py::test_converted_output_loads_and_trains_like_one_device[cond_v1-{fmt}]" for fmt in ("pb", "meta", "saved")),
+    "test_loaders.py::test_to_graph_imports_and_contexts_name_only_nodes_that_remain[cond_v1]",
 })
 
 

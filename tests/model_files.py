@@ -54,24 +54,15 @@ class ModelFiles:
 
 
 def write_models(directory: str, spec: Spec = SPEC) -> ModelFiles:
-    os.makedirs(directory, exist_ok=True)
     path = lambda name: os.path.join(directory, name)
-    built = build_towers(spec)
-    graph_def = built.graph.as_graph_def()
-    _write(path("towers.pb"), graph_def.SerializeToString())
+    formats = write_formats(directory, spec, serve=True)
+    built = formats.built
+    with open(formats.pb, "rb") as f:
+        graph_def = tf.compat.v1.GraphDef.FromString(f.read())  # as built, before the SavedModel's saver
     _write(path("towers.pbtxt"), text_format.MessageToString(graph_def).encode())
-
-    ckpt = path("ckpt/model")
-    with built.graph.as_default():
-        saver = tf.compat.v1.train.Saver()
-        with tf.compat.v1.Session(graph=built.graph, config=session_config(spec.towers)) as sess:
-            sess.run(built.init)
-            saver.save(sess, ckpt, write_meta_graph=False)
-        meta = tf.compat.v1.train.export_meta_graph(graph=built.graph, saver_def=saver.as_saver_def(), clear_devices=False)
-    _write(path("towers.meta"), meta.SerializeToString())
+    with open(formats.meta, "rb") as f:
+        meta = tf.compat.v1.MetaGraphDef.FromString(f.read())
     _write(path("towers.metatxt"), text_format.MessageToString(meta).encode())
-
-    write_saved_model(path("saved"), built, spec)
 
     _write(path("inference.pb"), build_inference(spec).as_graph_def().SerializeToString())
     one = build_towers(Spec(**{**spec.__dict__, "towers": 1}))
@@ -85,8 +76,38 @@ def write_models(directory: str, spec: Spec = SPEC) -> ModelFiles:
     _write(path("no_bn.pb"), build_no_bn().as_graph_def().SerializeToString())
     return ModelFiles(
         directory, spec, built, path("towers.pb"), path("towers.pbtxt"), path("towers.meta"), path("towers.metatxt"),
-        ckpt, path("saved"), path("inference.pb"), path("one_tower.pb"), path("mismatch.pb"), path("no_bn.pb"),
+        formats.ckpt, path("saved"), path("inference.pb"), path("one_tower.pb"), path("mismatch.pb"), path("no_bn.pb"),
     )
+
+
+@dataclass
+class FormFiles:
+    """One built graph in the three formats: GraphDef, MetaGraphDef (+ checkpoint), SavedModel."""
+
+    built: Built
+    pb: str
+    meta: str
+    ckpt: str
+    saved: str
+
+
+def write_formats(directory: str, spec: Spec, serve: bool = False) -> FormFiles:
+    """build_towers(spec) written as towers.pb, towers.meta with ckpt/model (its initial values)
+    and a SavedModel saved/ holding the towers graph, tagged [train] (and `write_saved_model`'s
+    [serve] graph when `serve`)."""
+    os.makedirs(directory, exist_ok=True)
+    path = lambda name: os.path.join(directory, name)
+    built = build_towers(spec)
+    _write(path("towers.pb"), built.graph.as_graph_def().SerializeToString())
+    with built.graph.as_default():
+        saver = tf.compat.v1.train.Saver()
+        with tf.compat.v1.Session(graph=built.graph, config=session_config(spec.towers)) as sess:
+            sess.run(built.init)
+            saver.save(sess, path("ckpt/model"), write_meta_graph=False)
+        meta = tf.compat.v1.train.export_meta_graph(graph=built.graph, saver_def=saver.as_saver_def(), clear_devices=False)
+    _write(path("towers.meta"), meta.SerializeToString())
+    write_saved_model(path("saved"), built, spec, serve)
+    return FormFiles(built, path("towers.pb"), path("towers.meta"), path("ckpt/model"), path("saved"))
 
 
 def _write(path: str, data: bytes) -> None:
@@ -136,8 +157,9 @@ def build_no_bn() -> tf.Graph:
     return graph
 
 
-def write_saved_model(directory: str, built: Built, spec: Spec) -> None:
-    """A TF1 SavedModel: [train] is the towers graph, [serve] a one-device inference graph."""
+def write_saved_model(directory: str, built: Built, spec: Spec, serve: bool = True) -> None:
+    """A TF1 SavedModel: [train] is the towers graph, [serve] (unless not `serve`) a one-device
+    inference graph."""
     builder = tf.compat.v1.saved_model.Builder(directory)
     graph = built.graph
     with graph.as_default():
@@ -151,12 +173,13 @@ def write_saved_model(directory: str, built: Built, spec: Spec) -> None:
             sess.run(built.init)
             builder.add_meta_graph_and_variables(sess, ["train"], signature_def_map={"train": signature},
                                                  clear_devices=False, strip_default_attrs=False)
-    serve = build_inference(spec)
-    with serve.as_default():
-        images = serve.get_tensor_by_name("images:0")
-        logits = serve.get_tensor_by_name("logits:0")
-        signature = tf.compat.v1.saved_model.predict_signature_def({"images": images}, {"logits": logits})
-        builder.add_meta_graph(["serve"], signature_def_map={"serving_default": signature}, clear_devices=False)
+    if serve:
+        inference = build_inference(spec)
+        with inference.as_default():
+            images = inference.get_tensor_by_name("images:0")
+            logits = inference.get_tensor_by_name("logits:0")
+            signature = tf.compat.v1.saved_model.predict_signature_def({"images": images}, {"logits": logits})
+            builder.add_meta_graph(["serve"], signature_def_map={"serving_default": signature}, clear_devices=False)
     os.makedirs(os.path.join(directory, "assets"), exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -1,6 +1,7 @@
 """Deep conv+BN multi-tower training graphs for the benchmarks, cached as .pb files.
 
     build_graph_def(towers, layers, channels=8, image=4, batch=2, dtype="float32", bn="fused") -> GraphDef
+    build_graph(towers, layers, ...) -> tf.Graph   (the same, with its collections)
     cached_graph_def(towers, layers, ...) -> GraphDef   (built once, kept in a temp dir)
 
 Each tower: images -> L x [conv2d 3x3 -> batch_normalization(training=True, fused=True)
@@ -44,10 +45,15 @@ VARIABLES = ("shared", "replicated", "unnamed")
 BATCH_NORMS = ("fused", "model_sync")
 
 
-def build_graph_def(
+def build_graph_def(towers: int, layers: int, shapes: bool = False, **kwargs: int | str) -> tf.compat.v1.GraphDef:
+    return build_graph(towers, layers, **kwargs).as_graph_def(add_shapes=shapes)
+
+
+def build_graph(
     towers: int, layers: int, channels: int = 8, image: int = 4, batch: int = 2, device: str = "cpu",
-    variables: str = "shared", dtype: str = "float32", bn: str = "fused", shapes: bool = False,
-) -> tf.compat.v1.GraphDef:
+    variables: str = "shared", dtype: str = "float32", bn: str = "fused",
+) -> tf.Graph:
+    """The graph `build_graph_def` exports, with its collections (variables, UPDATE_OPS)."""
     from tf_keras.src.legacy_tf_layers import convolutional, core, normalization
 
     if bn not in BATCH_NORMS:
@@ -93,7 +99,7 @@ def build_graph_def(
         apply = opt.apply_gradients([(g, v) for grads in copies for g, (_, v) in zip(averaged, grads)])
         tf.group(apply, *tf1.get_collection(tf1.GraphKeys.UPDATE_OPS), name="train_op")
         tf1.global_variables_initializer()
-    return graph.as_graph_def(add_shapes=shapes)
+    return graph
 
 
 def cached_path(towers: int, layers: int, **kwargs: int | str) -> str:

@@ -15,7 +15,7 @@ from bnrewrite.errors import (
     NoBatchNormError,
 )
 from bnrewrite.io.model import Entry, Model, Outcome, Rewrite, protos, shown
-from bnrewrite.io.verify import loads
+from bnrewrite.io.verify import check_result, loads
 from bnrewrite.report import Report
 
 #: Errors that, when rewriting every MetaGraph of a SavedModel, only mean "nothing to do here".
@@ -61,7 +61,9 @@ def rewrite(model: Model, tag_sets: list[frozenset[str]] | None = None, *, keep_
 
     Every entry rewritten must pass TensorFlow's own import (`bnrewrite.io.verify.loads`), else
     GraphValidationError: the rewrite keeps most nodes as they are and would copy what
-    TensorFlow rejects into its output. Entries with nothing to synchronize (inference only,
+    TensorFlow rejects into its output. Every result must then load as TensorFlow's loader
+    loads it (`check_result`: a MetaGraph with import_meta_graph, collections included), else
+    PassError (or GraphValidationError when the input itself does not load that way). Entries with nothing to synchronize (inference only,
     no batch norm) are kept unchanged when `keep_idle`; by default that is when every MetaGraph of a SavedModel is rewritten
     (no tag sets given), and then if none is left, `nothing_rewritten` is raised.
     Every rewritten MetaGraph's signatures and saver must still name tensors that exist.
@@ -89,6 +91,10 @@ def rewrite(model: Model, tag_sets: list[frozenset[str]] | None = None, *, keep_
         new = Entry(result.graph_def, result.meta_graph_def, entry.tags, entry.index)
         if new.meta_graph is not None:
             _check_references(entry.meta_graph, new.meta_graph, model, entry, result.report)
+        try:
+            check_result(entry, new)
+        except BnRewriteError as exc:
+            raise located(exc, model, entry) from None
         outcomes.append(Outcome(entry, report=result.report, result=new))
     if default:
         failure = nothing_rewritten(model, outcomes)

@@ -2,14 +2,18 @@
 
 `loads` is TensorFlow's own graph import in C++ alone (op registrations, attrs, inputs, dtypes,
 every op's shape function, without making Python objects): `convert` and `inspect` run it on
-every graph they rewrite (bnrewrite.io.convert.rewrite), so a graph TensorFlow rejects is an
-error naming TensorFlow's complaint rather than a rewrite that copies the bad node into its
-output. `--verify` (`verify`) imports each rewritten graph as a user would
-(`tf.compat.v1.import_meta_graph` with its collections, or `import_graph_def`) and tells a
-malformed input from a rewrite that broke it.
+every graph they rewrite, before the rewrite (bnrewrite.io.convert.rewrite), so a graph
+TensorFlow rejects is an error naming TensorFlow's complaint rather than a rewrite that copies
+the bad node into its output. After the rewrite they load each result as TensorFlow's loader
+would (`loads_whole`: `import_meta_graph` into a fresh graph for a MetaGraph, whose collections
+name nodes too; the C++ import for a GraphDef) and refuse to write one that does not load
+(`check_result`). `--verify` (`verify`) also imports a rewritten GraphDef as a user would
+(`import_graph_def`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from bnrewrite.errors import GraphValidationError, PassError
 from bnrewrite.io.model import Entry, Rewrite, one_line
@@ -49,23 +53,38 @@ def import_check(entry: Entry) -> str | None:
     return None
 
 
+def loads_whole(entry: Entry) -> str | None:
+    """What TensorFlow's own loader makes of the entry: `import_check` for a MetaGraph (its
+    collections and saver, as import_meta_graph and a SavedModel's loader read them), the C++
+    import (`loads`) for a GraphDef; the error, or None."""
+    return import_check(entry) if entry.meta_graph is not None else loads(entry)
+
+
+def check_result(original: Entry, result: Entry, where: str = "", check: Callable[[Entry], str | None] = loads_whole) -> None:
+    """Raise when `check` rejects the rewritten `result`: GraphValidationError when `import_check`
+    rejects the `original` too (the input's fault), else PassError (the rewrite's)."""
+    error = check(result)
+    if error is None:
+        return
+    own = import_check(original)
+    if own is not None:
+        raise GraphValidationError(
+            f"{where}the rewritten graph does not import into TensorFlow, and neither does the input graph "
+            f"itself ({own}); fix or re-export the input")
+    raise PassError(f"{where}the rewritten graph does not import into TensorFlow ({error}); nothing was written "
+                    "(a bnrewrite bug: please report it)")
+
+
 def verify(rewrite: Rewrite) -> int:
-    """Import every rewritten graph into TensorFlow as a user would (`import_check`). Raises
-    GraphValidationError when one does not import and neither does its input, PassError when
-    the input does. Returns how many were checked."""
+    """--verify: import every rewritten graph into TensorFlow as a user would (`import_check`;
+    `check_result` says whose fault a failure is). A MetaGraph's is the import `rewrite`
+    already ran on it. Returns how many were checked."""
     checked = 0
     for outcome in rewrite.outcomes:
         if outcome.result is None:
             continue
-        error = import_check(outcome.result)
-        if error is not None:
+        if outcome.result.meta_graph is None:
             where = f"MetaGraph {outcome.entry.label}: " if outcome.entry.tags is not None else ""
-            own = import_check(outcome.entry)
-            if own is not None:
-                raise GraphValidationError(
-                    f"{where}the rewritten graph does not import into TensorFlow, and neither does the input graph "
-                    f"itself ({own}); fix or re-export the input")
-            raise PassError(f"{where}the rewritten graph does not import into TensorFlow ({error}); nothing was written "
-                            "(a bnrewrite bug: please report it)")
+            check_result(outcome.entry, outcome.result, where, import_check)
         checked += 1
     return checked
