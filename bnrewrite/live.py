@@ -78,7 +78,7 @@ class Shadow:
         node is not copied and becomes missing too."""
         if script_graph.version == self.copied:
             return
-        with self.lock:
+        with script_graph._session_run_lock(), self.lock:  # no op of the script's is half made meanwhile
             operations = script_graph.get_operations()
             if len(operations) > self.copied:
                 _copy_ops(operations[self.copied:], script_graph, self)
