@@ -48,6 +48,8 @@ SLOW_TESTS = (
     "test_kernels.py::test_kernel_path_trains_like_one_device",
     "test_newcomer.py::test_check_help",
     "test_oracle.py::",
+    "test_replica_rule.py::test_copies_combined_per_variable_train_like_one_device",
+    "test_replica_rule.py::test_towers_averaging_in_pairs_are_two_models",
 )
 #: ... except these oracle cases, which keep one fused and one legacy layer in the fast subset.
 FAST_ORACLE = frozenset({

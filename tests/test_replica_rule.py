@@ -22,7 +22,7 @@ from bnrewrite.errors import NoTowersError
 from models import Result, Spec, assert_synced, make_batches
 from trainers import APART, REPLICAS, Trainer, coupled, run
 
-K, BATCH, STEPS = 2, 2, 3
+K, BATCH, STEPS = 2, 2, 2
 TOLERANCE = 1e-4
 
 

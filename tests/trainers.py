@@ -247,11 +247,12 @@ def coupled(towers: int, batch: int, coupling: str) -> Trainer:
                 grads = [g for g, _ in role]
                 if coupling == "nccl":  # tf_cnn_benchmarks' replicated variables (built only: no GPU here)
                     sums = nccl_ops.all_sum(grads)
-                else:  # "mean_pairs": towers 2p and 2p+1 average theirs
+                else:  # each tower sums every tower's; "mean_pairs": its pair's (towers 2p and 2p+1)
                     sums = [tf.add_n(grads[k - k % 2:k - k % 2 + 2] if coupling == "mean_pairs" else grads)
                             for k in range(towers)]
                 divisor = 2 if coupling == "mean_pairs" else towers
-                pairs += [(total / divisor, v) for total, (_, v) in zip(sums, role)][:1 if coupling == "shared" else None]
+                applied = [(total / divisor, v) for total, (_, v) in zip(sums, role)]
+                pairs += applied[:1] if coupling == "shared" else applied
             return _finish(graph, [tf.group(opt.apply_gradients(pairs), *updates, name="train_op")], loss, inputs)
         if coupling == "global_norm":
             flat, _ = tf.clip_by_global_norm([g for grads in tower_grads for g, _ in grads], 1e6)

@@ -43,8 +43,8 @@ def trained_apart(graph: Graph, towers: Towers, sync_groups: tuple[tuple[str, ..
             copies.update({variable: k for variable in (site.scale_var, site.offset_var) if variable})
     marks.update({variable: 1 << k for variable, k in copies.items()})
     masks = _tower_masks(graph, marks, (1 << len(towers.ids)) - 1)
-    root = list(range(len(towers.ids)))
     trained = [False] * len(towers.ids)
+    combined: set[int] = set()  # the towers of each writer that takes two or more (few distinct sets)
     for node, variable in writers(graph).items():
         k = copies.get(variable)
         if k is None:
@@ -53,10 +53,14 @@ def trained_apart(graph: Graph, towers: Towers, sync_groups: tuple[tuple[str, ..
         for src, out in graph.inputs(node)[1:]:  # input 0: the variable written
             mask |= _carried(graph, masks, src, out, graph.node(node).op)
         trained[k] = trained[k] or bool(mask >> k & 1)
-        if mask & (mask - 1):  # two towers or more
-            for j in range(len(towers.ids)):
-                if mask >> j & 1:
-                    _join(root, j, k)
+        if mask & (mask - 1):
+            combined.add(mask | 1 << k)
+    root = list(range(len(towers.ids)))
+    for mask in combined:
+        first = (mask & -mask).bit_length() - 1
+        for j in range(first + 1, len(towers.ids)):
+            if mask >> j & 1:
+                _join(root, j, first)
     index = {tower: k for k, tower in enumerate(towers.ids)}
     if all(len({_find(root, index[t]) for t in group}) == 1 for group in sync_groups) or not all(trained):
         return ""
@@ -76,26 +80,36 @@ def trained_apart(graph: Graph, towers: Towers, sync_groups: tuple[tuple[str, ..
     return (
         f"the towers train {len(models)} separate models ({shown}): the copies of the variables (e.g. {variable}) "
         "are combined within each of these groups only; synchronizing batch norm across them would couple "
-        "separate trainings: give group_size so that each sync group lies within one model"
+        "separate trainings: give group_size (--group-size) so that each sync group lies within one model"
     )
 
 
 def _tower_masks(graph: Graph, marks: dict[str, int], everyone: int) -> dict[str, int]:
     """Per node, the bits of the towers whose marked nodes reach it along data edges that
-    `_carried` lets through (nodes reached by none are left out); loop back-edges ignored."""
+    `_carried` lets through (nodes reached by none are left out); loop back-edges ignored.
+    Shapes are looked up only for the inputs of a node that two towers or more reach, where
+    a tower's scalar meets another tower's values: within one tower, a scalar stays that
+    tower's (a scalar broadcast to a larger shape by a tower's own ops counts as that shape)."""
     masks: dict[str, int] = {}
+    reached = set(marks)  # nodes that a marked node or one with a mask reads into (the others have none)
+    consumers = graph.consumers
     for name in graph.topological_order():
+        if name not in reached:
+            continue
         node = graph.node(name)
+        inputs = [(src, out) for src, out in map(parse_input, node.input) if out >= 0 and src in masks]
         mask = marks.get(name, 0)
-        for spec in node.input:
-            src, out = parse_input(spec)
-            carried = masks.get(src, 0)
-            if out >= 0 and carried & ~mask:  # (the shape is looked up only when it would add a tower)
+        for src, _ in inputs:
+            mask |= masks[src]
+        if mask & (mask - 1):
+            mask = marks.get(name, 0)
+            for src, out in inputs:
                 mask |= _carried(graph, masks, src, out, node.op)
         if mask and node.op in _ALL_REDUCE_OPS:
             mask = everyone
         if mask:
             masks[name] = mask
+            reached.update(consumers.get(name, ()))
     return masks
 
 
