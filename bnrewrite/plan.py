@@ -73,9 +73,6 @@ def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
             raise
         first = census.skips[0]
         raise type(exc)(f"{exc} ({len(census.skips)} batch-norm op(s) skipped, e.g. {first.node}: {first.reason})") from None
-    apart = trained_apart(graph, towers) if options.num_workers == 1 else ""
-    if apart:
-        raise IndependentModelsError(apart)
     size = options.group_size or len(towers.ids)
     if options.num_workers > 1 and size != len(towers.ids):
         raise BnRewriteError("sync groups within a worker cannot be combined with several workers; drop group_size")
@@ -84,6 +81,9 @@ def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
     if size * options.num_workers < 2 or len(towers.ids) % size:
         raise BnRewriteError(f"group size {size} must be at least 2 and divide the number of towers ({len(towers.ids)})")
     sync_groups = tuple(towers.ids[i:i + size] for i in range(0, len(towers.ids), size))
+    apart = trained_apart(graph, towers, sync_groups) if options.num_workers == 1 else ""
+    if apart:
+        raise IndependentModelsError(apart)
     devices = [site.device for site in towers.groups[0].sites]
     inside = next((name for group in towers.groups for site in group.sites for name in (site.name, *site.grads)
                    if in_body(name)), "")

@@ -152,6 +152,10 @@ def _read_variable(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple
     return _attr_shape(handle, ins, producer) if handle is not None and handle.op == "VarHandleOp" else ()
 
 
+def _scalar(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shape, ...]:
+    return ((),)
+
+
 def _broadcast(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shape, ...]:
     """TensorFlow's broadcasting of two shapes (BroadcastBinaryOpOutputShapeFn)."""
     x, y = ins[0], ins[1]
@@ -414,6 +418,7 @@ _RULES: dict[str, Callable[[NodeDef, list[Shape], Producer], tuple[Shape, ...]]]
     "Const": _const_shape,
     "ReadVariableOp": _read_variable,
     "AddN": _add_n,
+    "L2Loss": _scalar,
     "Reshape": _reshape,
     "Transpose": _transpose,
     "ConcatV2": _concat,

@@ -106,6 +106,7 @@ CASES = [
         tf.math.log, tf.math.log1p, tf.floor, tf.math.ceil, tf.round, tf.sign, tf.math.erf, tf.nn.softmax,
         tf.nn.log_softmax, tf.zeros_like, tf.ones_like)],
     ("cast", lambda: tf.cast(_ph((None, 3)), tf.float16)),
+    ("l2_loss", lambda: tf.nn.l2_loss(_ph((None, 3)))),
     ("lrn", lambda: tf.nn.local_response_normalization(_ph((2, 3, 4, 5)))),
     *[(f"{op.__name__} broadcast", lambda op=op: op(_ph((2, 1, 4, 8)), _ph((3, 1, 8), name="y"))) for op in (
         tf.add, tf.subtract, tf.multiply, tf.math.truediv, tf.math.divide_no_nan, tf.maximum, tf.minimum, tf.pow,

@@ -21,6 +21,15 @@ its tower), same optimizer.
   on /cpu:i with its own variables (variable scope v<i>), its own optimizer applying its own
   gradients only, tf_keras legacy batch_normalization; every tower's updates in the train op.
   K trainings in one graph.
+* coupled(towers, batch, coupling): towers tower_i on /cpu:i, each with its own copy of every
+  variable (variable scope v<i>, or v0 shared for "shared"), plain SGD, every tower's updates
+  in the train op, coupled per COUPLINGS: gradients averaged per variable (all towers', or
+  "mean_pairs": towers 2p and 2p+1 only, two models of two towers each, or "nccl": summed by
+  NcclAllReduce, which only a GPU runs); one shared copy;
+  each tower's own SGD then every copy assigned the mean of the copies, in the train op or in
+  an op run after it; or own SGD with only a scalar shared (a global norm clipping every
+  tower's gradients, a learning rate decayed by a shared global_step, the logged loss sum the
+  updates wait on): K trainings in one graph.
 * blended(towers, batch, updates): Keras's V2 fused batch norm (exponential_avg_factor blends
   the running statistics in the op; assigns store its outputs in the shared moving
   variables), the train op running one tower's assigns, or none beside an op that does.
@@ -35,10 +44,11 @@ from __future__ import annotations
 import contextlib
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import nccl_ops
 from tensorflow.python.ops.control_flow_ops import with_dependencies
 from tensorflow.python.training.moving_averages import assign_moving_average
 
@@ -49,6 +59,10 @@ IMAGE, CHANNELS, FILTERS = 6, 3, 4
 DECAY, EPSILON = 0.9, 1e-3
 UPDATE_CHOICES = ("last", "first", "middle", "separate", "in_place")
 PLACEMENTS = ("cpu0", "none")
+#: How coupled() joins its towers' trainings: replicas of one model first, then K models.
+REPLICAS = ("mean_grads", "shared", "average_in_step", "average_after")
+APART = ("global_norm", "shared_lr", "loss_sum")
+COUPLINGS = (*REPLICAS, *APART, "mean_pairs", "nccl")
 
 
 @dataclass
@@ -59,6 +73,7 @@ class Trainer:
     inputs: list[tuple[str, str]]  # (images, labels) placeholders per tower
     init: str
     variables: dict[str, str]  # every global variable's name -> a tensor reading its value
+    after: list[str] = field(default_factory=list)  # run in a second sess.run after each step's fetches
 
 
 def _constant(key: str, shape: list[int], mean: float = 0.0, std: float | None = None) -> tf1.constant_initializer:
@@ -137,10 +152,11 @@ def _readout() -> dict[str, str]:
         return {v.op.name: v.value().name for v in tf1.global_variables()}
 
 
-def _finish(graph: tf.Graph, fetches: list, loss: tf.Tensor, inputs: list) -> Trainer:
+def _finish(graph: tf.Graph, fetches: list, loss: tf.Tensor, inputs: list, after: tuple = ()) -> Trainer:
     init = tf1.global_variables_initializer()
     return Trainer(graph=graph, fetches=[f.name for f in fetches], loss=loss.name,
-                   inputs=[(x.name, y.name) for x, y in inputs], init=init.name, variables=_readout())
+                   inputs=[(x.name, y.name) for x, y in inputs], init=init.name, variables=_readout(),
+                   after=[op.name for op in after])
 
 
 def inception(towers: int, batch: int, updates: str = "last") -> Trainer:
@@ -202,6 +218,61 @@ def independent(towers: int, batch: int, fused: bool = True) -> Trainer:
         with tf.device("/cpu:0"):
             loss = tf.identity(tf.add_n(losses) / towers, name="loss")
         return _finish(graph, [tf.group(*steps, name="train_op")], loss, inputs)
+
+
+def coupled(towers: int, batch: int, coupling: str) -> Trainer:
+    """K towers whose copies of the variables train one model or K models (COUPLINGS)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        global_step = tf1.train.get_or_create_global_step()
+        rate = tf1.train.exponential_decay(0.1, global_step, 1, 0.9) if coupling == "shared_lr" else 0.1
+        inputs, losses, tower_grads, updates = [], [], [], []
+        for i in range(towers):
+            scope = "v0" if coupling == "shared" else f"v{i}"
+            with tf.device(f"/cpu:{i}"), tf.name_scope(f"tower_{i}") as name_scope, \
+                    tf1.variable_scope(scope, reuse=tf1.AUTO_REUSE, use_resource=True):
+                images, labels = _placeholders(batch)
+                loss = _cross_entropy(labels, _logits(images, lambda x, name: _legacy_batch_norm(x, name, True)))
+                own = tf1.trainable_variables(f"{scope}/")
+                tower_grads.append(list(zip(tf.gradients(loss, own), own)))
+                updates += tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, name_scope)
+            inputs.append((images, labels))
+            losses.append(loss)
+        with tf.device("/cpu:0"):
+            loss = tf.identity(tf.add_n(losses) / towers, name="loss")
+        opt = tf1.train.GradientDescentOptimizer(rate)
+        if coupling in ("mean_grads", "shared", "mean_pairs", "nccl"):
+            pairs = []
+            for role in zip(*tower_grads):
+                grads = [g for g, _ in role]
+                if coupling == "nccl":  # tf_cnn_benchmarks' replicated variables (built only: no GPU here)
+                    sums = nccl_ops.all_sum(grads)
+                else:  # each tower sums every tower's; "mean_pairs": its pair's (towers 2p and 2p+1)
+                    sums = [tf.add_n(grads[k - k % 2:k - k % 2 + 2] if coupling == "mean_pairs" else grads)
+                            for k in range(towers)]
+                divisor = 2 if coupling == "mean_pairs" else towers
+                applied = [(total / divisor, v) for total, (_, v) in zip(sums, role)]
+                pairs += applied[:1] if coupling == "shared" else applied
+            return _finish(graph, [tf.group(opt.apply_gradients(pairs), *updates, name="train_op")], loss, inputs)
+        if coupling == "global_norm":
+            flat, _ = tf.clip_by_global_norm([g for grads in tower_grads for g, _ in grads], 1e6)
+            size = len(tower_grads[0])
+            tower_grads = [list(zip(flat[k * size:(k + 1) * size], [v for _, v in grads]))
+                           for k, grads in enumerate(tower_grads)]
+        with tf.control_dependencies([loss] if coupling == "loss_sum" else []):
+            applies = [opt.apply_gradients(grads, global_step=global_step if k == 0 else None)
+                       for k, grads in enumerate(tower_grads)]
+        if coupling not in ("average_in_step", "average_after"):
+            return _finish(graph, [tf.group(*applies, *updates, name="train_op")], loss, inputs)
+        with tf.control_dependencies(applies if coupling == "average_in_step" else []):
+            averages = []
+            for copies in zip(*(tf1.trainable_variables(f"v{k}/") for k in range(towers))):
+                mean = tf.add_n([v.read_value() for v in copies]) / towers
+                averages += [v.assign(mean, read_value=False) for v in copies]
+            average = tf.group(*averages, name="average")
+        if coupling == "average_in_step":
+            return _finish(graph, [tf.group(average, *updates, name="train_op")], loss, inputs)
+        return _finish(graph, [tf.group(*applies, *updates, name="train_op")], loss, inputs, after=(average,))
 
 
 def clones(towers: int, batch: int, fused: bool, placement: str = "cpu0") -> Trainer:
@@ -278,8 +349,8 @@ def run(graph: tf.Graph, trainer: Trainer, batches: list, num_devices: int, find
     """Train on `batches` (tower k gets the k-th equal slice), running every fetch together each
     step; returns the result and the variables' values right after initialization. find(names)
     maps the trainer's names into `graph` (a rewrite's result.find); default: the names as they are."""
-    names = (trainer.fetches, trainer.loss, trainer.inputs, trainer.init, trainer.variables)
-    fetches, loss, inputs, init, variables = find(names) if find else names
+    names = (trainer.fetches, trainer.loss, trainer.inputs, trainer.init, trainer.variables, trainer.after)
+    fetches, loss, inputs, init, variables, after = find(names) if find else names
     losses = []
     with tf1.Session(graph=graph, config=session_config(num_devices)) as sess:
         sess.run(init)
@@ -290,5 +361,7 @@ def run(graph: tf.Graph, trainer: Trainer, batches: list, num_devices: int, find
             for k, (x, y) in enumerate(inputs):
                 feed[x], feed[y] = images[k * per:(k + 1) * per], labels[k * per:(k + 1) * per]
             losses.append(sess.run([loss, *fetches], feed)[0])
+            if after:
+                sess.run(after)
         final = sess.run(variables)
     return Result(np.asarray(losses, np.float64), final), initial
