@@ -19,6 +19,7 @@ session class is patched when TensorFlow's session module is first imported.
 from __future__ import annotations
 
 import functools
+import gc
 import importlib.abc
 import importlib.machinery
 import sys
@@ -101,7 +102,6 @@ class _Decision:
 class _State:
     options: LiveOptions | None = None  # None: disabled (graphs given to attach() still run rewritten)
     decisions: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
-    sessions: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     records: list[dict[str, Any]] = field(default_factory=list)
     lock: threading.RLock = field(default_factory=threading.RLock)
     installed: bool = False
@@ -159,7 +159,8 @@ def attach(graph: Any, rewrite: Callable[[Any], Any]) -> Any:
     """Rewrite tf.Graph `graph` with `rewrite` (GraphDef -> RewriteResult, raising as
     rewrite_graph does) and make every session created on it from now on run the result."""
     with _state.lock:
-        if isinstance(_state.decisions.get(graph), _Decision) and _state.decisions[graph].shadow is not None:
+        decision = _state.decisions.get(graph)
+        if decision is not None and decision.shadow is not None:
             raise AlreadyRewrittenError("sessions on this graph already run its synchronized graph "
                                         "(rewrite_graph(g, in_place=True) was called on it before)")
         open_sessions = _open_sessions(graph)
@@ -177,8 +178,6 @@ def attach(graph: Any, rewrite: Callable[[Any], Any]) -> Any:
 
 def _open_sessions(graph: Any) -> list[Any]:
     from tensorflow.python.client.session import BaseSession
-
-    import gc
 
     return [o for o in gc.get_referrers(graph) if isinstance(o, BaseSession) and not o._closed]
 
