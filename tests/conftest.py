@@ -52,6 +52,7 @@ SLOW_TESTS = (
         "fused op", "fused NCHW", "fused float16", "fused bfloat16", "renorm", "moments cond v1", "fused cond v1",
         "fused 4 towers")),
     "test_stepcheck.py::test_verify_on_a_file",
+    "test_stepcheck.py::test_the_trainers_update_forms",
 )
 #: ... except these oracle cases, which keep one fused and one legacy layer in the fast subset.
 FAST_ORACLE = frozenset({

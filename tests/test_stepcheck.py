@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from model_files import cached_models
+import trainers
 from models import Spec, build_towers, load_graph, make_batches, session_config
 from test_cli import assert_one_error_line
 from test_cli import bnrewrite as run_cli
@@ -117,6 +118,29 @@ def test_layers_inside_function_bodies_cannot_be_checked(tmp_path):
     path = tmp_path / "model.pb"
     path.write_bytes(build_towers(Spec(layer="moments_cond_v2")).graph.as_graph_def().SerializeToString())
     assert_one_error_line(run_cli("verify", str(path)), 1, "no synced layer can be checked: all 2 are inside function bodies")
+
+
+@pytest.mark.parametrize("trainer, phrase", [
+    ("inception", "biased once toward the global variance (factor 0.1)"),  # zero-debias: biased, local_step, value
+    ("blended", "moving_variance once toward the global unbiased variance (factor 0.1)"),  # exponential_avg_factor
+])
+def test_the_trainers_update_forms(trainer, phrase):
+    built = getattr(trainers, trainer)(2, 4)
+    result = rewrite_graph(built.graph)
+    graph = load_graph(result.graph_def)
+    check = stepcheck.build(graph, result.report)
+    rng = np.random.default_rng(0)
+    feed = {}
+    for images, labels in built.inputs:
+        feed[images] = rng.standard_normal(graph.get_tensor_by_name(images).shape.as_list()) * 2.0 + 1.0
+        feed[labels] = np.zeros(graph.get_tensor_by_name(labels).shape.as_list(), np.int32)
+    with tf.compat.v1.Session(graph=graph, config=session_config(2)) as sess:
+        sess.run(built.init)
+        before = sess.run(check.before)
+        values = sess.run(built.fetches + check.step, {**feed, **check.feed(before)})[len(built.fetches):]
+        after = sess.run(check.after)
+    line = check.evaluate(before, values, after).layers[0].line()
+    assert phrase in line, line
 
 
 def _break_after_passes(monkeypatch, edit=lambda g: g, passes=PIPELINE, meaning=True) -> None:
