@@ -105,6 +105,13 @@ def test_reference_variables_are_read_as_the_forward_pass_read_them():
     assert checked_step(Spec(), result=result, built=built).line().startswith("verified 2 layers x 2 towers")
 
 
+def test_sync_groups_are_checked_group_by_group():
+    spec = Spec(towers=4)
+    built = build_towers(spec)
+    verdict = checked_step(spec, result=rewrite_graph(built.graph, group_size=2), built=built)
+    assert verdict.line().startswith("verified 2 layers x 4 towers on /device:CPU:0..3: worst ")
+
+
 @pytest.mark.parametrize("form", ["moments cond v1", "fused 4 towers"])
 def test_verify_on_a_file(form, tmp_path):
     spec = FORMS[form]
