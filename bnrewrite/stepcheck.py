@@ -181,8 +181,7 @@ def build(graph: Any, report: Report) -> StepCheck:
                         reads[moving.variable] = _read(graph, moving.variable)
                     before.append(reads[moving.variable])
                 updates.append(_Update(moving.node, moving.variable, moving.statistic, moving.tower, _FORMS[op.type],
-                                       op.inputs[1].name,
-                                       reads[moving.variable], _derived(op, names - {moving.node})))
+                                       op.inputs[1].name, reads[moving.variable], _derived(op, names - {moving.node})))
                 step.append(op.inputs[1].name)
             layers.append(_Layer(row, tuple(towers), tuple(updates)))
     step = list(dict.fromkeys(step))

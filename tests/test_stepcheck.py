@@ -86,7 +86,7 @@ def test_every_form_verifies_in_process(form):
         assert phrase in verdict.layers[0].line()
 
 
-def test_reference_variables_are_read_as_the_forward_pass_read_them():
+def test_reference_variables_are_read_as_the_forward_pass_read_them(tmp_path):
     """A reference variable's read aliases the buffer the step's optimizer updates: the check
     takes gamma and beta as read before the step (fed), not whenever its ops run."""
     enabled = tf.compat.v1.resource_variables_enabled()
@@ -103,6 +103,8 @@ def test_reference_variables_are_read_as_the_forward_pass_read_them():
     sources = sorted(graph.get_tensor_by_name(read).op.inputs[0].op.name for read in snapshots.values())
     assert sources == sorted(f"net/bn{i}/{v}" for i in (1, 2) for v in ("gamma", "beta") for _ in range(2))
     assert checked_step(Spec(), result=result, built=built).line().startswith("verified 2 layers x 2 towers")
+    proc = run_cli("verify", write_meta(tmp_path, built.graph))
+    assert proc.returncode == 0 and proc.stdout.startswith("verified 2 layers x 2 towers"), proc.stderr
 
 
 def test_sync_groups_are_checked_group_by_group():
