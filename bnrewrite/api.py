@@ -343,7 +343,8 @@ def _report(graph: Graph, plan: Plan, records: list[PassRecord], census: Census,
     moments = {site: pair for r in records for site, pair in r.moments.items()}
     for group in plan.groups:
         first = group.sites[0]
-        kept = [MovingUpdate(u.node, u.variable, u.statistic) for s in group.sites for u in s.updates if u.node not in removed_names]
+        kept = [MovingUpdate(u.node, u.variable, u.statistic, tower) for tower, s in zip(plan.towers.ids, group.sites)
+                for u in s.updates if u.node not in removed_names]
         grads = [g for s in group.sites for g in s.grads]
         report.layers.append(LayerRow(
             layer=group.key,

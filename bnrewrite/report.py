@@ -30,12 +30,13 @@ class TowerTensors:
 
 @dataclass
 class MovingUpdate:
-    """A moving-statistics update the rewritten graph keeps: the op, the variable it writes and
-    which batch statistic ("mean" or "variance") its value comes from."""
+    """A moving-statistics update the rewritten graph keeps: the op, the variable it writes,
+    which batch statistic ("mean" or "variance") its value comes from, and the tower it is in."""
 
     node: str
     variable: str
     statistic: str
+    tower: str
 
 
 @dataclass

@@ -64,6 +64,7 @@ class _Update:
     node: str
     variable: str
     statistic: str
+    tower: str
     sign: int  # -1 subtracts the value, 1 adds it, 0 assigns it
     value: str
     read: str
@@ -179,8 +180,8 @@ def build(graph: Any, report: Report) -> StepCheck:
                     with tf.name_scope(f"read_{len(reads)}"):
                         reads[moving.variable] = _read(graph, moving.variable)
                     before.append(reads[moving.variable])
-                updates.append(_Update(moving.node, moving.variable, moving.statistic, _FORMS[op.type], op.inputs[1].name,
-                                       reads[moving.variable], _derived(op, names - {moving.node})))
+                updates.append(_Update(moving.node, moving.variable, moving.statistic, moving.tower, _FORMS[op.type],
+                                       op.inputs[1].name, reads[moving.variable], _derived(op, names - {moving.node})))
                 step.append(op.inputs[1].name)
             layers.append(_Layer(row, tuple(towers), tuple(updates)))
     step = list(dict.fromkeys(step))
@@ -275,16 +276,13 @@ def _derived(op: Any, others: set[str]) -> bool:
 def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any], after: dict[str, Any]) -> LayerVerdict:
     row = layer.row
     value = {name: np.asarray(v, np.float64).reshape(-1) for name, v in step.items()}
-    total = sum(float(value[t.count][0]) if isinstance(t.count, str) else t.count for t in layer.towers)
-    sums = sum(value[t.sums] for t in layer.towers)
-    squares = sum(value[t.squares] for t in layer.towers)
-    mean = sums / total
-    variance = np.maximum(squares / total - mean**2, 0.0)
+    moments = _group_moments(layer, value)
     moments_tolerance = ULPS * EPSILON["float"]
     y_tolerance = moments_tolerance + DTYPE_ULPS * EPSILON.get(row.dtype, EPSILON["float"])
     figures = {"mean": 0.0, "variance": 0.0}
     unchecked = [] if all(t.worst for t in layer.towers) else ["output not checked (not tf.nn.batch_normalization's)"]
     for t in layer.towers:
+        mean, variance, _ = moments[t.tower]
         std = np.sqrt(variance + row.epsilon) + _TINY
         checks = [("mean", np.max(np.abs(value[t.mean] - mean) / std), moments_tolerance,
                    "the global mean, relative to the standard deviation"),
@@ -298,9 +296,6 @@ def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any],
             _require(figure <= tolerance, f"layer {row.layer}, tower {t.tower}: {what} is off by {figure:.2e} "
                                           f"(allowed {tolerance:.1e})")
             figures[name] = max(figures.get(name, 0.0), float(figure))
-    statistics = {"mean": [("mean", mean)],
-                  "variance": [("unbiased variance", variance * total / max(total - 1.0, 1.0)), ("variance", variance),
-                               ("standard deviation", np.sqrt(variance + row.epsilon))]}
     updates = []
     for u in layer.updates:
         old = np.asarray(before[u.read], np.float64)
@@ -314,13 +309,36 @@ def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any],
         if u.derived:
             updates.append(f"{_short(u.variable)} updated once (derived from another update)")
             continue
-        residual, factor, name = _best(old, written, statistics[u.statistic])
+        residual, factor, name = _toward(old, written, _targets(moments[u.tower], row)[u.statistic], moments_tolerance)
         _require(residual <= moments_tolerance and 0.0 < factor <= 1.0 + moments_tolerance, (
             f"layer {row.layer}: {u.variable} did not move toward the global batch {u.statistic} by one factor for every "
             f"channel: off by {residual:.2e} relative at factor {factor:.3g} (allowed {moments_tolerance:.1e})"))
         figures["moving"] = max(figures["moving"], residual)
         updates.append(f"{_short(u.variable)} once toward the global {name} (factor {factor:.3g})")
     return LayerVerdict(row.layer, len(layer.towers), figures, updates, unchecked)
+
+
+def _group_moments(layer: _Layer, value: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray, float]]:
+    """Tower -> (mean, biased variance, count) of its sync group's inputs together, in float64."""
+    found = {}
+    for group in layer.row.sync_groups or [layer.row.towers]:
+        towers = [t for t in layer.towers if t.tower in group]
+        total = sum(float(value[t.count][0]) if isinstance(t.count, str) else t.count for t in towers)
+        mean = sum(value[t.sums] for t in towers) / total
+        variance = np.maximum(sum(value[t.squares] for t in towers) / total - mean**2, 0.0)
+        found.update({t.tower: (mean, variance, total) for t in towers})
+    return found
+
+
+def _targets(moments: tuple[np.ndarray, np.ndarray, float], row: LayerRow) -> dict[str, list[tuple[str, np.ndarray]]]:
+    """The statistics a moving average of the mean or the variance may move toward, in the order
+    the layer's kind makes likely: one step from 0 (zero-debias's biased value) fits every one
+    proportional to the first."""
+    mean, variance, total = moments
+    unbiased, biased = ("unbiased variance", variance * total / max(total - 1.0, 1.0)), ("variance", variance)
+    return {"mean": [("mean", mean)],
+            "variance": [*((unbiased, biased) if row.op.startswith("Fused") else (biased, unbiased)),
+                         ("standard deviation", np.sqrt(variance + row.epsilon))]}
 
 
 def _output_error(value: dict[str, np.ndarray], t: _Tower, epsilon: float) -> float:
@@ -332,16 +350,20 @@ def _output_error(value: dict[str, np.ndarray], t: _Tower, epsilon: float) -> fl
     return float(np.max(value[t.worst] / ((value[t.largest] + np.abs(value[t.mean])) * np.abs(gain) + beta + _TINY)))
 
 
-def _best(old: np.ndarray, written: np.ndarray, candidates: list[tuple[str, np.ndarray]]) -> tuple[float, float, str]:
-    """(residual, factor, name) of the candidate statistic s that `written` = old + f * (s - old)
-    fits best with one f for every channel; residual relative to |old| + |s|."""
-    best = (np.inf, 0.0, "")
+def _toward(old: np.ndarray, written: np.ndarray, candidates: list[tuple[str, np.ndarray]],
+            tolerance: float) -> tuple[float, float, str]:
+    """(residual, factor, name) of the first candidate statistic s that `written` = old + f * (s - old)
+    fits with one f in (0, 1] for every channel, residual relative to |old| + |s|; else of the
+    one that fits best."""
+    fits = []
     for name, target in candidates:
         step = target - old
         factor = float(np.sum((written - old) * step) / max(float(np.sum(step * step)), _TINY))
         residual = float(np.max(np.abs(written - old - factor * step) / (np.abs(old) + np.abs(target) + _TINY)))
-        best = min(best, (residual, factor, name))
-    return best
+        if residual <= tolerance and 0.0 < factor <= 1.0 + tolerance:
+            return residual, factor, name
+        fits.append((residual, factor, name))
+    return min(fits)
 
 
 def _short(variable: str) -> str:

@@ -60,6 +60,7 @@ SLOW_TESTS = (
     "test_loaders.py::test_to_graph_imports_and_contexts_name_only_nodes_that_remain",
     "test_replica_rule.py::test_copies_combined_per_variable_train_like_one_device",
     "test_replica_rule.py::test_towers_averaging_in_pairs_are_two_models",
+    "test_stepcheck.py::test_the_trainers_update_forms",
 )
 #: ... except these cases, which keep one fused and one legacy layer of the oracle, and the legacy
 #: layer under a v1 cond loaded from every format, in the fast subset.

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from model_files import cached_models
+import trainers
 from models import Spec, build_towers, load_graph, make_batches, session_config
 from test_cli import assert_one_error_line
 from test_cli import bnrewrite as run_cli
@@ -85,7 +86,7 @@ def test_every_form_verifies_in_process(form):
         assert phrase in verdict.layers[0].line()
 
 
-def test_reference_variables_are_read_as_the_forward_pass_read_them():
+def test_reference_variables_are_read_as_the_forward_pass_read_them(tmp_path):
     """A reference variable's read aliases the buffer the step's optimizer updates: the check
     takes gamma and beta as read before the step (fed), not whenever its ops run."""
     enabled = tf.compat.v1.resource_variables_enabled()
@@ -102,6 +103,15 @@ def test_reference_variables_are_read_as_the_forward_pass_read_them():
     sources = sorted(graph.get_tensor_by_name(read).op.inputs[0].op.name for read in snapshots.values())
     assert sources == sorted(f"net/bn{i}/{v}" for i in (1, 2) for v in ("gamma", "beta") for _ in range(2))
     assert checked_step(Spec(), result=result, built=built).line().startswith("verified 2 layers x 2 towers")
+    proc = run_cli("verify", write_meta(tmp_path, built.graph))
+    assert proc.returncode == 0 and proc.stdout.startswith("verified 2 layers x 2 towers"), proc.stderr
+
+
+def test_sync_groups_are_checked_group_by_group():
+    spec = Spec(towers=4)
+    built = build_towers(spec)
+    verdict = checked_step(spec, result=rewrite_graph(built.graph, group_size=2), built=built)
+    assert verdict.line().startswith("verified 2 layers x 4 towers on /device:CPU:0..3: worst ")
 
 
 @pytest.mark.parametrize("form", ["moments cond v1", "fused 4 towers"])
@@ -113,10 +123,40 @@ def test_verify_on_a_file(form, tmp_path):
     assert "  net/bn1: " in proc.stdout and "  net/bn2: " in proc.stdout
 
 
+def test_gpu_towers_run_on_the_cpus_of_their_indices(tmp_path):
+    """A graph built for GPUs (NCCL when converted) is verified with the local sum on virtual CPUs."""
+    proc = run_cli("verify", write_meta(tmp_path, build_towers(Spec(device="gpu")).graph))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("verified 2 layers x 2 towers on /device:GPU:0..1: worst "), proc.stdout
+
+
 def test_layers_inside_function_bodies_cannot_be_checked(tmp_path):
     path = tmp_path / "model.pb"
     path.write_bytes(build_towers(Spec(layer="moments_cond_v2")).graph.as_graph_def().SerializeToString())
     assert_one_error_line(run_cli("verify", str(path)), 1, "no synced layer can be checked: all 2 are inside function bodies")
+
+
+@pytest.mark.parametrize("trainer, phrase", [
+    ("inception", "biased once toward the global variance (factor 0.1)"),  # zero-debias: biased, local_step, value
+    ("blended", "moving_variance once toward the global unbiased variance (factor 0.1)"),  # exponential_avg_factor
+])
+def test_the_trainers_update_forms(trainer, phrase):
+    built = getattr(trainers, trainer)(2, 4)
+    result = rewrite_graph(built.graph)
+    graph = load_graph(result.graph_def)
+    check = stepcheck.build(graph, result.report)
+    rng = np.random.default_rng(0)
+    feed = {}
+    for images, labels in built.inputs:
+        feed[images] = rng.standard_normal(graph.get_tensor_by_name(images).shape.as_list()) * 2.0 + 1.0
+        feed[labels] = np.zeros(graph.get_tensor_by_name(labels).shape.as_list(), np.int32)
+    with tf.compat.v1.Session(graph=graph, config=session_config(2)) as sess:
+        sess.run(built.init)
+        before = sess.run(check.before)
+        values = sess.run(built.fetches + check.step, {**feed, **check.feed(before)})[len(built.fetches):]
+        after = sess.run(check.after)
+    line = check.evaluate(before, values, after).layers[0].line()
+    assert phrase in line, line
 
 
 def _break_after_passes(monkeypatch, edit=lambda g: g, passes=PIPELINE, meaning=True) -> None:

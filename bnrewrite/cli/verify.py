@@ -39,6 +39,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         rewrite = io.rewrite(model, tag_sets, backend="local", **keywords)
     except BackendError:  # layers inside control flow v2 branches: the collective runtime reaches them
         rewrite = io.rewrite(model, tag_sets, backend="collective", timeout_seconds=COLLECTIVE_TIMEOUT, **keywords)
+        args.backend, args.timeout = "collective", COLLECTIVE_TIMEOUT  # as --report's options record them
     checkpoint = args.checkpoint
     saved_variables = os.path.join(args.input, "variables", "variables")
     if checkpoint is None and model.is_saved_model and os.path.exists(saved_variables + ".index"):

@@ -54,7 +54,7 @@ def run_step(entry: Entry, report: Report, checkpoint: str | None = None, batch:
     check = stepcheck.build(graph, report)
     ops = _targets(graph, report, targets)
     needed = _upstream(graph, ops + [graph.get_tensor_by_name(n).op for n in check.step])
-    feed = _feed(graph, needed, batch)
+    feed = _feed([op for op in needed if op.outputs and op.outputs[0].name not in check.snapshots], batch)
     config = tf.compat.v1.ConfigProto(device_count={"CPU": cpus}, allow_soft_placement=True,
                                       inter_op_parallelism_threads=2, intra_op_parallelism_threads=1)
     with tf.compat.v1.Session(graph=graph, config=config) as sess:
@@ -119,7 +119,7 @@ def _upstream(graph: Any, ops: list[Any]) -> list[Any]:
     return list(seen.values())
 
 
-def _feed(graph: Any, needed: list[Any], batch: int | None) -> dict[Any, np.ndarray]:
+def _feed(needed: list[Any], batch: int | None) -> dict[Any, np.ndarray]:
     """Synthetic values for the placeholders and input-pipeline outputs the step needs: floats
     from a normal distribution (each input its own scale and offset, so towers' statistics
     differ), integers 0 (a valid class), booleans True."""

@@ -382,7 +382,7 @@ def normalization(graph: Graph, site: Site) -> Normalization | None:
                     if x not in graph.inputs(mul):
                         continue
                     for y in _reached(graph, mul, _ADD, through=frozenset()):
-                        term = next(i for i in graph.inputs(y) if i[0] != mul)
+                        term = next((i for i in graph.inputs(y) if i[0] != mul), (mul, 0))
                         offset = _behind(graph, term[0], _CAST)
                         if graph.node(offset).op == "Sub":
                             return Normalization(tensor_name(y), scale, tensor_name(*graph.inputs(offset)[0]), epsilon)
@@ -400,7 +400,7 @@ def _scalar(graph: Graph, inputs: list[tuple[str, int]]) -> float | None:
 def _behind(graph: Graph, node: str, through: frozenset[str]) -> str:
     """The node a chain of `through` ops starting at `node` passes on."""
     for _ in range(4):
-        if graph.node(node).op not in through:
+        if graph.node(node).op not in through or not graph.inputs(node):
             break
         node = graph.inputs(node)[0][0]
     return node
