@@ -28,7 +28,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num_gpus", type=int, default=2, help="towers, one per /gpu:i")
     parser.add_argument("--batch_size", type=int, default=2, help="examples per tower per step")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--train_dir", default="/tmp/multi_gpu_train", help="checkpoint and summaries")
+    parser.add_argument("--train_dir", default="multi_gpu_train_logs", help="checkpoint and summaries")
     parser.add_argument("--updates", choices=["last", "all"], default="last",
                         help="moving-average updates the train op runs: the last tower's (inception) or all towers'")
     parser.add_argument("--session", choices=["session", "supervisor", "monitored"], default="session",

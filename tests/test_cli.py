@@ -370,6 +370,8 @@ def test_readme_examples_run(files, tmp_path):
     shutil.copy(files.pb, tmp_path / "model.pb")
     shutil.copy(files.meta, tmp_path / "model.meta")
     shutil.copytree(files.saved, tmp_path / "saved_model")
+    (tmp_path / "examples").mkdir()
+    shutil.copy(os.path.join(ROOT, "examples", "multi_gpu_train.py"), tmp_path / "examples")
     for command, expected in commands:
         args = shlex.split(command)[1:]
         proc = in_subprocess(*args, cwd=str(tmp_path))

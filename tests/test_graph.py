@@ -142,7 +142,7 @@ def test_in_place_assembly_is_undone_from_any_bytecode():
     assert done == expected != before and total > 100
     outcomes = [assembled(n) for n in range(1, total + 1)]
     assert [n for n, (data, seen) in enumerate(outcomes, 1) if data != (expected if seen else before)] == []
-    assert sum(not seen for _, seen in outcomes) >= total - 5
+    assert sum(not seen for _, seen in outcomes) >= 0.9 * total  # a few are lost closing generators, as gc runs
 
 
 def test_an_edit_that_changes_nothing_returns_the_base():
