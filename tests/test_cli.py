@@ -382,7 +382,7 @@ def test_readme_examples_run(files, tmp_path):
             assert proc.returncode == 0, (command, proc.stderr)
             shown = [line for line in expected if line.strip() and not line.strip().startswith("...")]
             if shown:
-                assert shown[0].strip() in proc.stdout, (command, shown[0], proc.stdout[:500])
+                assert shown[0].strip() in proc.stdout + proc.stderr, (command, shown[0], proc.stdout[:500])
 
 
 # ---------------------------------------------------------------------------
