@@ -429,6 +429,40 @@ class Graph:
                     stack.append(src)
         return False
 
+    def ancestors_among(self, names: Iterable[str], candidates: Iterable[str]) -> dict[str, set[str]]:
+        """For each of `names`, the `candidates` it runs after (`depends_on` for every pair).
+
+        One walk down from all candidates at once, then one sweep of what it reached in
+        topological order, each node's candidates as a bit set pushed to its readers: the cost
+        of one walk for any number of pairs, where `depends_on` per pair would walk each time.
+        Edges against the numbering (loop back-edges) are not followed.
+        """
+        self.validate()
+        numbering, consumers = self._numbering, self.consumers
+        order = list(dict.fromkeys(candidates))
+        bits = {name: 1 << i for i, name in enumerate(order)}
+        below, stack = set(bits), list(bits)
+        while stack:
+            for reader in consumers.get(stack.pop(), ()):
+                if reader not in below:
+                    below.add(reader)
+                    stack.append(reader)
+        upstream: dict[str, int] = {}  # node -> the candidates it runs after, as bits
+        for name in sorted(below, key=numbering.__getitem__):  # type: ignore[union-attr]
+            reach = upstream.get(name, 0) | bits.get(name, 0)
+            number = numbering[name]  # type: ignore[index]
+            for reader in consumers.get(name, ()):
+                if numbering[reader] > number:  # type: ignore[index]
+                    upstream[reader] = upstream.get(reader, 0) | reach
+        found: dict[str, set[str]] = {}
+        for name in names:
+            reach, found[name] = upstream.get(name, 0), set()
+            while reach:  # one step per candidate found, not per candidate
+                low = reach & -reach
+                found[name].add(order[low.bit_length() - 1])
+                reach ^= low
+        return found
+
     def _full_numbering(self) -> dict[str, int]:
         """Topological positions, spaced _GAP apart so that nodes added later fit in between."""
         return {name: i * _GAP for i, name in enumerate(self._topological_order)}
