@@ -14,6 +14,7 @@ puts the storage in graph order and drops the stale nodes.
 
 from __future__ import annotations
 
+import heapq
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -536,11 +537,12 @@ class Graph:
 
         Untouched and changed nodes keep their base number; a new node gets the greatest
         number among its inputs plus one, so it comes after them (and, unless a chain of more
-        than _GAP new nodes grows from one node, before the next base node). If then every
-        input of every changed node has a smaller number than the node (edges into untouched
-        nodes are as in the base), the numbering orders every edge and there is no cycle.
-        None when that does not hold (an input added later than its reader, a loop
-        back-edge, a cycle): a full sort decides.
+        than _GAP new nodes grows from one node, before the next base node). A changed node
+        that now reads a node numbered after it (dedupe's groups, now waiting on the kept
+        updates) is numbered up past its inputs, and what runs after it with it (`_raise`).
+        Then every edge goes from a smaller number to a greater one, so there is no cycle.
+        None when that cannot be had so (a new node read by one added before it, a cycle):
+        a full sort decides.
         """
         change, self._change = self._change, None
         if change is None or change.base._numbering is None:
@@ -560,10 +562,34 @@ class Graph:
                     return None
                 number = max(number, src_number)
             numbering[name] = number + 1
-        for name in changed:
-            number = numbering[name]
-            if any(numbering.get(src, number) >= number for src, _ in change.inputs[name]):
+        late = [name for name in changed
+                if any(numbering.get(src, -1) >= numbering[name] for src, _ in change.inputs[name])]
+        return self._raise(numbering, late, change.inputs) if late else numbering
+
+    def _raise(self, numbering: dict[str, int], late: list[str], changed: dict[str, list[tuple[str, int]]]) -> dict[str, int] | None:
+        """`numbering` with the `late` nodes, and what reads them, numbered up past their inputs
+        where needed: one sweep in numbering order over what the raise reaches, loop back-edges
+        left out as the full sort leaves them. None (a full sort decides) when that takes more
+        raises than the graph has nodes: a cycle, or a change that reaches so far that a full
+        sort costs no more."""
+        consumers, budget = self.consumers, len(numbering)
+        heap = [(numbering[name], name) for name in late]
+        heapq.heapify(heap)
+        while heap:
+            number, name = heapq.heappop(heap)
+            if number != numbering[name]:
+                continue  # raised since it was queued: its inputs were in place then
+            inputs = changed.get(name) or map(parse_input, self.node(name).input)
+            least = 1 + max((numbering.get(src, -1) for src, _ in inputs if self.node(src).op not in _LOOP_BACK_OPS), default=-1)
+            if least <= number:
+                continue
+            budget -= 1
+            if budget < 0:
                 return None
+            numbering[name] = least
+            for reader in consumers.get(name, ()) if self.node(name).op not in _LOOP_BACK_OPS else ():
+                if numbering[reader] <= least:
+                    heapq.heappush(heap, (numbering[reader], reader))
         return numbering
 
 

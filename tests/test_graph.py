@@ -70,6 +70,22 @@ def test_a_valid_edit_keeps_exact_indexes():
     assert result._numbering is not None and "e" in result._numbering  # carried over, not re-sorted
 
 
+def test_a_node_that_now_waits_on_a_later_one_is_numbered_up_not_re_sorted(monkeypatch):
+    """As dedupe makes a tower's group of updates wait on the kept updates, numbered after it:
+    the node and what reads it are numbered up past their inputs, without sorting the graph."""
+    graph = _small_graph()
+    first, second = sorted(["x", "two"], key=graph._numbering.__getitem__)  # type: ignore[union-attr]
+
+    def edit(editor):
+        editor.add(_node(editor, "later", "Neg", [second]))
+        editor.mutable(first).input.append("^later")
+
+    monkeypatch.setattr(Graph, "_full_numbering", lambda self: pytest.fail("the whole graph was sorted again"))
+    result = _run(graph, edit)
+    assert result._numbering["later"] < result._numbering[first]  # type: ignore[index]
+    _assert_numbering_orders_edges(result)
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
