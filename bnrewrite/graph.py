@@ -537,12 +537,12 @@ class Graph:
 
         Untouched and changed nodes keep their base number; a new node gets the greatest
         number among its inputs plus one, so it comes after them (and, unless a chain of more
-        than _GAP new nodes grows from one node, before the next base node). A changed node
+        than _GAP new nodes grows from one node, before the next base node), new inputs
+        numbered first whatever order they were added in (`_number_new`). A changed node
         that now reads a node numbered after it (dedupe's groups, now waiting on the kept
         updates) is numbered up past its inputs, and what runs after it with it (`_raise`).
         Then every edge goes from a smaller number to a greater one, so there is no cycle.
-        None when that cannot be had so (a new node read by one added before it, a cycle):
-        a full sort decides.
+        None when that cannot be had so (a cycle): a full sort decides and names it.
         """
         change, self._change = self._change, None
         if change is None or change.base._numbering is None:
@@ -550,18 +550,11 @@ class Graph:
         numbering = dict(change.base._numbering)
         for name in change.removed:
             numbering.pop(name, None)
-        changed = []
-        for name, inputs in change.inputs.items():
-            if name in change.base:
-                changed.append(name)
-                continue
-            number = -1
-            for src, _ in inputs:
-                src_number = numbering.get(src)
-                if src_number is None:
-                    return None
-                number = max(number, src_number)
-            numbering[name] = number + 1
+        new = {name: inputs for name, inputs in change.inputs.items() if name not in change.base}
+        for name in new:
+            if name not in numbering and not _number_new(numbering, name, new):
+                return None
+        changed = [name for name in change.inputs if name in change.base]
         late = [name for name in changed
                 if any(numbering.get(src, -1) >= numbering[name] for src, _ in change.inputs[name])]
         return self._raise(numbering, late, change.inputs) if late else numbering
@@ -591,6 +584,32 @@ class Graph:
                 if numbering[reader] <= least:
                     heapq.heappush(heap, (numbering[reader], reader))
         return numbering
+
+
+def _number_new(numbering: dict[str, int], root: str, new: dict[str, list[tuple[str, int]]]) -> bool:
+    """Number new node `root`, and the new nodes it reads that have no number yet (depth
+    first), each one past its inputs; False on a cycle among them or an input not numbered."""
+    stack, open_ = [(root, iter(new[root]))], {root}
+    while stack:
+        name, inputs = stack[-1]
+        for src, _ in inputs:
+            if src in new and src not in numbering:
+                if src in open_:
+                    return False
+                open_.add(src)
+                stack.append((src, iter(new[src])))
+                break
+        else:
+            stack.pop()
+            open_.discard(name)
+            number = -1
+            for src, _ in new[name]:
+                src_number = numbering.get(src)
+                if src_number is None:
+                    return False
+                number = max(number, src_number)
+            numbering[name] = number + 1
+    return True
 
 
 def _consumer_index(inputs: Iterable[tuple[str, Iterable[tuple[str, int]]]], names: dict[str, str]) -> dict[str, list[str]]:

@@ -86,6 +86,19 @@ def test_a_node_that_now_waits_on_a_later_one_is_numbered_up_not_re_sorted(monke
     _assert_numbering_orders_edges(result)
 
 
+def test_new_nodes_added_before_their_inputs_are_numbered_without_a_sort(monkeypatch):
+    """The passes add a node, then the shared constant it reads (one per value and device)."""
+    graph = _small_graph()
+
+    def edit(editor):
+        editor.add(_node(editor, "e", "AddV2", ["d", "two"]))
+        editor.add(_node(editor, "d", "Neg", ["b"]))
+        editor.mutable("c").input[0] = "e"
+
+    monkeypatch.setattr(Graph, "_full_numbering", lambda self: pytest.fail("the whole graph was sorted again"))
+    _assert_numbering_orders_edges(_run(graph, edit))
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
