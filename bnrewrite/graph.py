@@ -559,7 +559,9 @@ class Graph:
                 if any(numbering.get(src, -1) >= numbering[name] for src, _ in change.inputs[name])]
         return self._raise(numbering, late, change.inputs) if late else numbering
 
-    def _raise(self, numbering: dict[str, int], late: list[str], changed: dict[str, list[tuple[str, int]]]) -> dict[str, int] | None:
+    def _raise(
+        self, numbering: dict[str, int], late: list[str], changed: dict[str, list[tuple[str, int]]],
+    ) -> dict[str, int] | None:
         """`numbering` with the `late` nodes, and what reads them, numbered up past their inputs
         where needed: one sweep in numbering order over what the raise reaches, loop back-edges
         left out as the full sort leaves them. None (a full sort decides) when that takes more
@@ -573,7 +575,8 @@ class Graph:
             if number != numbering[name]:
                 continue  # raised since it was queued: its inputs were in place then
             inputs = changed.get(name) or map(parse_input, self.node(name).input)
-            least = 1 + max((numbering.get(src, -1) for src, _ in inputs if self.node(src).op not in _LOOP_BACK_OPS), default=-1)
+            forward = (numbering.get(src, -1) for src, _ in inputs if self.node(src).op not in _LOOP_BACK_OPS)
+            least = 1 + max(forward, default=-1)
             if least <= number:
                 continue
             budget -= 1
