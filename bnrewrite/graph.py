@@ -14,6 +14,7 @@ puts the storage in graph order and drops the stale nodes.
 
 from __future__ import annotations
 
+import heapq
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -433,6 +434,40 @@ class Graph:
                     stack.append(src)
         return False
 
+    def ancestors_among(self, names: Iterable[str], candidates: Iterable[str]) -> dict[str, set[str]]:
+        """For each of `names`, the `candidates` it runs after (`depends_on` for every pair).
+
+        One walk down from all candidates at once, then one sweep of what it reached in
+        topological order, each node's candidates as a bit set pushed to its readers: the cost
+        of one walk for any number of pairs, where `depends_on` per pair would walk each time.
+        Edges against the numbering (loop back-edges) are not followed.
+        """
+        self.validate()
+        numbering, consumers = self._numbering, self.consumers
+        order = list(dict.fromkeys(candidates))
+        bits = {name: 1 << i for i, name in enumerate(order)}
+        below, stack = set(bits), list(bits)
+        while stack:
+            for reader in consumers.get(stack.pop(), ()):
+                if reader not in below:
+                    below.add(reader)
+                    stack.append(reader)
+        upstream: dict[str, int] = {}  # node -> the candidates it runs after, as bits
+        for name in sorted(below, key=numbering.__getitem__):  # type: ignore[union-attr]
+            reach = upstream.get(name, 0) | bits.get(name, 0)
+            number = numbering[name]  # type: ignore[index]
+            for reader in consumers.get(name, ()):
+                if numbering[reader] > number:  # type: ignore[index]
+                    upstream[reader] = upstream.get(reader, 0) | reach
+        found: dict[str, set[str]] = {}
+        for name in names:
+            reach, found[name] = upstream.get(name, 0), set()
+            while reach:  # one step per candidate found, not per candidate
+                low = reach & -reach
+                found[name].add(order[low.bit_length() - 1])
+                reach ^= low
+        return found
+
     def _full_numbering(self) -> dict[str, int]:
         """Topological positions, spaced _GAP apart so that nodes added later fit in between."""
         return {name: i * _GAP for i, name in enumerate(self._topological_order)}
@@ -506,11 +541,12 @@ class Graph:
 
         Untouched and changed nodes keep their base number; a new node gets the greatest
         number among its inputs plus one, so it comes after them (and, unless a chain of more
-        than _GAP new nodes grows from one node, before the next base node). If then every
-        input of every changed node has a smaller number than the node (edges into untouched
-        nodes are as in the base), the numbering orders every edge and there is no cycle.
-        None when that does not hold (an input added later than its reader, a loop
-        back-edge, a cycle): a full sort decides.
+        than _GAP new nodes grows from one node, before the next base node), new inputs
+        numbered first whatever order they were added in (`_number_new`). A changed node
+        that now reads a node numbered after it (dedupe's groups, now waiting on the kept
+        updates) is numbered up past its inputs, and what runs after it with it (`_raise`).
+        Then every edge goes from a smaller number to a greater one, so there is no cycle.
+        None when that cannot be had so (a cycle): a full sort decides and names it.
         """
         change, self._change = self._change, None
         if change is None or change.base._numbering is None:
@@ -518,23 +554,69 @@ class Graph:
         numbering = dict(change.base._numbering)
         for name in change.removed:
             numbering.pop(name, None)
-        changed = []
-        for name, inputs in change.inputs.items():
-            if name in change.base:
-                changed.append(name)
+        new = {name: inputs for name, inputs in change.inputs.items() if name not in change.base}
+        for name in new:
+            if name not in numbering and not _number_new(numbering, name, new):
+                return None
+        changed = [name for name in change.inputs if name in change.base]
+        late = [name for name in changed
+                if any(numbering.get(src, -1) >= numbering[name] for src, _ in change.inputs[name])]
+        return self._raise(numbering, late, change.inputs) if late else numbering
+
+    def _raise(
+        self, numbering: dict[str, int], late: list[str], changed: dict[str, list[tuple[str, int]]],
+    ) -> dict[str, int] | None:
+        """`numbering` with the `late` nodes, and what reads them, numbered up past their inputs
+        where needed: one sweep in numbering order over what the raise reaches, loop back-edges
+        left out as the full sort leaves them. None (a full sort decides) when that takes more
+        raises than the graph has nodes: a cycle, or a change that reaches so far that a full
+        sort costs no more."""
+        consumers, budget = self.consumers, len(numbering)
+        heap = [(numbering[name], name) for name in late]
+        heapq.heapify(heap)
+        while heap:
+            number, name = heapq.heappop(heap)
+            if number != numbering[name]:
+                continue  # raised since it was queued: its inputs were in place then
+            inputs = changed.get(name) or map(parse_input, self.node(name).input)
+            forward = (numbering.get(src, -1) for src, _ in inputs if self.node(src).op not in _LOOP_BACK_OPS)
+            least = 1 + max(forward, default=-1)
+            if least <= number:
                 continue
+            budget -= 1
+            if budget < 0:
+                return None
+            numbering[name] = least
+            for reader in consumers.get(name, ()) if self.node(name).op not in _LOOP_BACK_OPS else ():
+                if numbering[reader] <= least:
+                    heapq.heappush(heap, (numbering[reader], reader))
+        return numbering
+
+
+def _number_new(numbering: dict[str, int], root: str, new: dict[str, list[tuple[str, int]]]) -> bool:
+    """Number new node `root`, and the new nodes it reads that have no number yet (depth
+    first), each one past its inputs; False on a cycle among them or an input not numbered."""
+    stack, open_ = [(root, iter(new[root]))], {root}
+    while stack:
+        name, inputs = stack[-1]
+        for src, _ in inputs:
+            if src in new and src not in numbering:
+                if src in open_:
+                    return False
+                open_.add(src)
+                stack.append((src, iter(new[src])))
+                break
+        else:
+            stack.pop()
+            open_.discard(name)
             number = -1
-            for src, _ in inputs:
+            for src, _ in new[name]:
                 src_number = numbering.get(src)
                 if src_number is None:
-                    return None
+                    return False
                 number = max(number, src_number)
             numbering[name] = number + 1
-        for name in changed:
-            number = numbering[name]
-            if any(numbering.get(src, number) >= number for src, _ in change.inputs[name]):
-                return None
-        return numbering
+    return True
 
 
 def _consumer_index(inputs: Iterable[tuple[str, Iterable[tuple[str, int]]]], names: dict[str, str]) -> dict[str, list[str]]:

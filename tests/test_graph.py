@@ -71,6 +71,35 @@ def test_a_valid_edit_keeps_exact_indexes():
     assert result._numbering is not None and "e" in result._numbering  # carried over, not re-sorted
 
 
+def test_a_node_that_now_waits_on_a_later_one_is_numbered_up_not_re_sorted(monkeypatch):
+    """As dedupe makes a tower's group of updates wait on the kept updates, numbered after it:
+    the node and what reads it are numbered up past their inputs, without sorting the graph."""
+    graph = _small_graph()
+    first, second = sorted(["x", "two"], key=graph._numbering.__getitem__)  # type: ignore[union-attr]
+
+    def edit(editor):
+        editor.add(_node(editor, "later", "Neg", [second]))
+        editor.mutable(first).input.append("^later")
+
+    monkeypatch.setattr(Graph, "_full_numbering", lambda self: pytest.fail("the whole graph was sorted again"))
+    result = _run(graph, edit)
+    assert result._numbering["later"] < result._numbering[first]  # type: ignore[index]
+    _assert_numbering_orders_edges(result)
+
+
+def test_new_nodes_added_before_their_inputs_are_numbered_without_a_sort(monkeypatch):
+    """The passes add a node, then the shared constant it reads (one per value and device)."""
+    graph = _small_graph()
+
+    def edit(editor):
+        editor.add(_node(editor, "e", "AddV2", ["d", "two"]))
+        editor.add(_node(editor, "d", "Neg", ["b"]))
+        editor.mutable("c").input[0] = "e"
+
+    monkeypatch.setattr(Graph, "_full_numbering", lambda self: pytest.fail("the whole graph was sorted again"))
+    _assert_numbering_orders_edges(_run(graph, edit))
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
@@ -171,3 +200,49 @@ def test_to_graph_def_puts_the_storage_in_graph_order(in_place):
     assert producer > 0 and out.versions.producer == producer
     assert (out is source) == in_place
     assert (source.SerializeToString(deterministic=True) == before) != in_place
+
+
+def _deep_net_graph() -> tuple[Graph, list[str]]:
+    """deep_net's 2-tower, 2-layer training graph, synchronized, plus a v1 while loop (and the
+    loop's node names)."""
+    import os
+    import sys
+
+    from tensorflow.python.ops import control_flow_util
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import deep_net
+
+    from bnrewrite import rewrite_graph
+
+    graph_def = rewrite_graph(deep_net.build_graph_def(2, 2, updates="per_tower")).graph_def
+    loop, v2 = tf.Graph(), control_flow_util.ENABLE_CONTROL_FLOW_V2
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = False
+    try:
+        with loop.as_default(), tf.name_scope("loop"):
+            tf.compat.v1.while_loop(lambda i: i < 3, lambda i: i + 1, [tf.constant(0)])
+    finally:
+        control_flow_util.ENABLE_CONTROL_FLOW_V2 = v2
+    graph_def.node.extend(loop.as_graph_def().node)
+    graph = Graph.from_graph_def(graph_def)
+    graph.validate()
+    return graph, [node.name for node in loop.as_graph_def().node]
+
+
+def test_ancestors_among_answers_depends_on_for_every_pair():
+    """One sweep gives what a walk per pair gives, on a real synchronized graph (moving-average
+    updates, all-reduces, a train op grouping per-tower groups) and a v1 while loop, but for the
+    loop's Merge: depends_on follows its back-edge (the loop body "runs before" it), the sweep
+    does not."""
+    graph, loop = _deep_net_graph()
+    names = list(graph.names())
+    candidates, asked = names[::7] + loop, names[::5] + loop
+    found = graph.ancestors_among(asked, candidates)
+    assert found.keys() == set(asked)
+    assert found["loop/while/Merge"] == {"loop/Const", "loop/while/Enter"}
+    pairs = 0
+    for name in (name for name in asked if name != "loop/while/Merge"):
+        expected = {c for c in candidates if c != name and graph.depends_on(name, c)}
+        assert found[name] == expected, name
+        pairs += len(expected)
+    assert pairs > 100  # the graph has chains enough for the comparison to mean something

@@ -2,9 +2,12 @@
 
     python tools/bench_rewrite.py [--towers 2,4,8] [--layers 20,50,100] [--reps 5]
                                   [--no-memory] [--no-cli] [--variables shared|replicated|unnamed]
+                                  [--updates per_tower|train_op] [--startup-layers 50,130]
 
 For each training graph (tools/deep_net.py: towers x conv+BN layers, built once and cached
-as .pb in a temp dir) and in one process, repetitions interleaved:
+as .pb in a temp dir; by default its train op groups every tower's group of UPDATE_OPS, the
+wiring whose edges to removed duplicate updates the rewrite re-points) and in one process,
+repetitions interleaved:
 
   rewrite   bnrewrite.rewrite_graph(graph_def)
   import    tf.graph_util.import_graph_def(graph_def) into a fresh tf.Graph
@@ -15,7 +18,11 @@ each column over graph size (least-squares slope of log time on log nodes; 1.0 i
 Then the work of one rewrite, counted rather than timed (Python function calls, by cProfile:
 the same on every machine), fitted as a cost per node plus a cost per batch-norm site, with
 exponents per tower count: whether the rewrite is linear, apart from how this machine's
-caches price a bigger graph.
+caches price a bigger graph, and the number of reachability walks (Graph.depends_on,
+Graph.ancestors_among calls), which must not grow with the graph.
+Then start-up: what a trainer that rewrites its graph before the session pays, tf.Graph ->
+as_graph_def() -> rewrite_graph -> tf.import_graph_def of the result, against
+tf.import_graph_def of the input (8 towers x --startup-layers; goal <= 2.0).
 Then the CLI end to end on the 8 x 50 .pb, and the peak memory of one rewrite measured in
 fresh subprocesses (tracemalloc's peak; and the peak RSS during the rewrite over the RSS just
 before it, for rewrite_graph(graph_def) and rewrite_graph(graph_def, in_place=True)), against
@@ -63,19 +70,24 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - start, time.process_time() - cpu
 
 
-def bench_config(towers: int, layers: int, reps: int, variables: str) -> dict:
-    import tensorflow as tf
+#: Graph methods that walk the graph to tell whether nodes run after others.
+WALKS = ("depends_on", "ancestors_among")
+
+
+def count_walks(stats: pstats.Stats) -> int:
+    """How many reachability walks (calls of WALKS) a profile of rewrites made."""
+    return sum(calls for (path, _, name), (_, calls, *_) in stats.stats.items()  # type: ignore[attr-defined]
+               if name in WALKS and path.endswith(os.path.join("bnrewrite", "graph.py")))
+
+
+def bench_config(towers: int, layers: int, reps: int, wiring: dict[str, str]) -> dict:
     from tensorflow.core.framework import graph_pb2
 
     from bnrewrite import rewrite_graph
 
-    with open(deep_net.cached_path(towers, layers, variables=variables), "rb") as f:
+    with open(deep_net.cached_path(towers, layers, **wiring), "rb") as f:
         data = f.read()
     graph_def = graph_pb2.GraphDef.FromString(data)
-
-    def do_import() -> None:
-        with tf.Graph().as_default():
-            tf.graph_util.import_graph_def(graph_def, name="")
 
     def do_proto() -> None:
         graph_pb2.GraphDef.FromString(data).SerializeToString()
@@ -90,7 +102,7 @@ def bench_config(towers: int, layers: int, reps: int, variables: str) -> dict:
         records.append(rewrite_graph(graph_def).report.passes)
 
     for _ in range(reps):
-        for key, fn in (("rewrite", do_rewrite), ("import", do_import), ("proto", do_proto)):
+        for key, fn in (("rewrite", do_rewrite), ("import", lambda: _import(graph_def)), ("proto", do_proto)):
             wall, used = _timed(fn)
             times[key].append(wall)
             cpu[key].append(used)
@@ -99,11 +111,12 @@ def bench_config(towers: int, layers: int, reps: int, variables: str) -> dict:
             passes.setdefault(str(p["name"]), []).append(float(p["seconds"]))
     profile = cProfile.Profile()
     profile.runcall(rewrite_graph, graph_def)
+    stats = pstats.Stats(profile)
     return {
         "towers": towers, "layers": layers, "nodes": len(graph_def.node),
         "nodes_out": len(result.graph_def.node), "bytes": len(data),
         "sites": sum(len(row.sites) for row in result.report.layers),
-        "calls": pstats.Stats(profile).total_calls,  # type: ignore[attr-defined]
+        "calls": stats.total_calls, "walks": count_walks(stats),  # type: ignore[attr-defined]
         **{k: statistics.median(v) for k, v in times.items()},
         "cpu": {k: statistics.median(v) for k, v in cpu.items()},
         "passes": {k: statistics.median(v) for k, v in passes.items()},
@@ -162,8 +175,9 @@ def print_work(rows: list[dict]) -> None:
     print("\n== work of one rewrite (Python function calls, counted by cProfile: the same on any machine) ==")
     matrix = np.array([[r["nodes"], r["sites"]] for r in rows], dtype=float)
     calls = np.array([r["calls"] for r in rows], dtype=float)
-    _table(("towers", "layers", "nodes", "BN sites", "calls", "calls/node"), [
-        (r["towers"], r["layers"], r["nodes"], r["sites"], r["calls"], f"{r['calls'] / r['nodes']:.1f}") for r in rows])
+    _table(("towers", "layers", "nodes", "BN sites", "calls", "calls/node", "reachability walks"), [
+        (r["towers"], r["layers"], r["nodes"], r["sites"], r["calls"], f"{r['calls'] / r['nodes']:.1f}", r["walks"])
+        for r in rows])
     if len(rows) >= 3 and np.linalg.matrix_rank(matrix) == 2:  # else nodes and sites cannot be told apart
         (per_node, per_site), *_ = np.linalg.lstsq(matrix, calls, rcond=None)
         fitted = matrix @ [per_node, per_site]
@@ -186,13 +200,63 @@ def print_work(rows: list[dict]) -> None:
               f"{_exponent(matrix[:, 0], calls):.3f}")
 
 
+def bench_startup(towers: int, layers: int, reps: int, wiring: dict[str, str]) -> dict:
+    """What a trainer that builds a tf.Graph, rewrites it and imports the result pays, against
+    importing the graph it built: export (as_graph_def) + rewrite + import of the rewritten
+    GraphDef, repetitions interleaved with the plain import."""
+    import tensorflow as tf
+
+    from bnrewrite import rewrite_graph
+
+    graph_def = deep_net.cached_graph_def(towers, layers, **wiring)
+    built = tf.Graph()
+    with built.as_default():
+        tf.graph_util.import_graph_def(graph_def, name="")
+    _import(rewrite_graph(built.as_graph_def()).graph_def)  # warm-up: lazy imports, TensorFlow's op registry
+    parts: dict[str, list[float]] = {k: [] for k in ("export", "rewrite", "import out", "import")}
+    for _ in range(reps):
+        gc.collect()
+        start = time.perf_counter()
+        exported = built.as_graph_def()
+        exported_at = time.perf_counter()
+        rewritten = rewrite_graph(exported).graph_def
+        rewritten_at = time.perf_counter()
+        _import(rewritten)
+        parts["export"].append(exported_at - start)
+        parts["rewrite"].append(rewritten_at - exported_at)
+        parts["import out"].append(time.perf_counter() - rewritten_at)
+        parts["import"].append(_timed(lambda: _import(graph_def))[0])
+    totals = [a + b + c for a, b, c in zip(parts["export"], parts["rewrite"], parts["import out"])]
+    return {"towers": towers, "layers": layers, "nodes": len(graph_def.node), "total": statistics.median(totals),
+            **{k: statistics.median(v) for k, v in parts.items()}}
+
+
+def _import(graph_def) -> None:  # noqa: ANN001 - a GraphDef (TensorFlow is imported lazily)
+    import tensorflow as tf
+
+    with tf.Graph().as_default():
+        tf.graph_util.import_graph_def(graph_def, name="")
+
+
+def print_startup(rows: list[dict]) -> None:
+    print("\n== start-up: tf.Graph -> as_graph_def() -> rewrite_graph -> import_graph_def of the result "
+          "(median of repetitions; ms) ==")
+    _table(("towers", "layers", "nodes", "export", "rewrite", "import out", "total", "import in", "total / import in"), [(
+        r["towers"], r["layers"], r["nodes"], *(f"{r[k] * 1e3:.0f}" for k in ("export", "rewrite", "import out", "total",
+                                                                               "import")),
+        f"{r['total'] / r['import']:.2f}") for r in rows])
+    worst = max(r["total"] / r["import"] for r in rows)
+    print(f"goal: start-up <= 2.0 x import_graph_def of the input: {'met' if worst <= 2.0 else 'NOT met'} "
+          f"(worst {worst:.2f})")
+
+
 def _table(header: tuple, body: list[tuple]) -> None:
     widths = [max(len(str(h)), *(len(str(row[i])) for row in body)) for i, h in enumerate(header)]
     for row in (header, *body):
         print("  ".join(str(c).rjust(w) for c, w in zip(row, widths)))
 
 
-def bench_cli(towers: int, layers: int, reps: int, variables: str) -> None:
+def bench_cli(towers: int, layers: int, reps: int, wiring: dict[str, str]) -> None:
     """`python -m bnrewrite convert IN OUT` on the big .pb, and on the smallest one for the
     fixed cost (interpreter, TensorFlow import, I/O setup) that does not grow with the graph."""
     print(f"\n== CLI end to end ({towers} towers x {layers} layers .pb) ==")
@@ -206,7 +270,7 @@ def bench_cli(towers: int, layers: int, reps: int, variables: str) -> None:
             return subprocess.run([sys.executable, "-m", "bnrewrite", "convert", path, out],
                                   env=env, capture_output=True, text=True)
 
-        big, small = (deep_net.cached_path(t, n, variables=variables) for t, n in ((towers, layers), (2, 20)))
+        big, small = (deep_net.cached_path(t, n, **wiring) for t, n in ((towers, layers), (2, 20)))
         probe = convert(big)
         if probe.returncode != 0 or not os.path.exists(out):
             why = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
@@ -296,13 +360,13 @@ def memory_size_child(path: str) -> None:
     print(json.dumps({"parse_rss": (_rss_mib() - rss0) / len(copies)}))
 
 
-def bench_memory(configs: list[tuple[int, int]], variables: str) -> None:
+def bench_memory(configs: list[tuple[int, int]], wiring: dict[str, str]) -> None:
     print("\n== peak memory of one rewrite (fresh subprocess each; MiB) ==")
     header = ("towers", "layers", "ByteSize", "out ByteSize", "parse RSS", "out parse RSS", "traced peak",
               "RSS peak", "/ parse RSS", "in place: RSS peak", "/ parse RSS")
     body = []
     for towers, layers in configs:
-        path = deep_net.cached_path(towers, layers, variables=variables)
+        path = deep_net.cached_path(towers, layers, **wiring)
         traced = json.loads(_child("--memory-child", path))
         with tempfile.TemporaryDirectory() as tmp:
             out_path = os.path.join(tmp, "out.pb")
@@ -341,6 +405,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variables", choices=deep_net.VARIABLES, default="shared",
                         help="how the towers hold their variables (tools/deep_net.py); replicated and unnamed "
                              "graphs have their layers lined up by variable roles and by structure")
+    parser.add_argument("--updates", choices=deep_net.UPDATES, default="per_tower",
+                        help="how the train op runs the moving-average updates (tools/deep_net.py)")
+    parser.add_argument("--startup-layers", type=_ints, default=[50, 130],
+                        help="layer counts of the 8-tower graphs the start-up figure is taken on (0: none)")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--memory-rss-child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--memory-size-child", help=argparse.SUPPRESS)
@@ -352,21 +420,25 @@ def main(argv: list[str] | None = None) -> None:
     if args.memory_size_child:
         return memory_size_child(args.memory_size_child)
 
+    wiring = {"variables": args.variables, "updates": args.updates}
     configs = [(t, n) for t in args.towers for n in args.layers]
-    for t, n in configs:
-        deep_net.cached_path(t, n, variables=args.variables)  # build what is not cached yet, before timing anything
+    startup = [(GOAL_CONFIG[0], n) for n in args.startup_layers if n]
+    for t, n in configs + startup:
+        deep_net.cached_path(t, n, **wiring)  # build what is not cached yet, before timing anything
     rows = []
     for t, n in configs:
-        rows.append(bench_config(t, n, args.reps, args.variables))
+        rows.append(bench_config(t, n, args.reps, wiring))
         r = rows[-1]
         print(f"{t} towers x {n} layers: {r['nodes']} nodes, rewrite {r['rewrite'] * 1e3:.0f} ms, "
               f"import {r['import'] * 1e3:.0f} ms, proto {r['proto'] * 1e3:.0f} ms", flush=True)
     print_speed(rows)
     print_work(rows)
+    if startup:
+        print_startup([bench_startup(t, n, args.reps, wiring) for t, n in startup])
     if not args.no_cli:
-        bench_cli(*GOAL_CONFIG, reps=3, variables=args.variables)
+        bench_cli(*GOAL_CONFIG, reps=3, wiring=wiring)
     if not args.no_memory:
-        bench_memory([c for c in configs if c[0] == GOAL_CONFIG[0]] or configs[-1:], args.variables)
+        bench_memory([c for c in configs if c[0] == GOAL_CONFIG[0]] or configs[-1:], wiring)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ Each tower: images -> L x [conv2d 3x3 -> batch_normalization(training=True, fuse
 -> relu] -> global pool -> dense -> softmax cross entropy, built with tf_keras's legacy
 TF1 layers on `/cpu:k` in name scope `tower_k`, sharing variables through
 `variable_scope("net", reuse=AUTO_REUSE)` (or one copy per tower: VARIABLES). Gradients are averaged across towers and applied
-once with MomentumOptimizer; `train_op = tf.group(apply, *UPDATE_OPS)` (every tower's
-moving-average updates). `device="gpu"` places towers on `/gpu:k` (building needs no GPU). Spatial sizes are tiny: building is quick and the graph structure
+once with MomentumOptimizer; the train op runs every tower's moving-average updates:
+`tf.group(apply, *UPDATE_OPS)` (`updates="train_op"`), or `tf.group(apply, *groups)` where each
+tower groups its own UPDATE_OPS under its scope (`updates="per_tower"`, as trainers that collect
+UPDATE_OPS tower by tower do: the train op reaches the updates through those groups). `device="gpu"` places towers on `/gpu:k` (building needs no GPU). Spatial sizes are tiny: building is quick and the graph structure
 (what the rewrite sees) is that of a real deep net.
 
 `shapes=True` records every tensor's static shape (`_output_shapes`), as
@@ -43,6 +45,9 @@ CACHE_DIR = os.path.join(tempfile.gettempdir(), "bnrewrite_bench_graphs")
 VARIABLES = ("shared", "replicated", "unnamed")
 #: Batch norm as the legacy layer builds it (fused), or synchronized in model code.
 BATCH_NORMS = ("fused", "model_sync")
+#: How the train op runs the moving-average updates: UPDATE_OPS grouped in it directly, or
+#: one group per tower (`tower_k/updates`) that it groups.
+UPDATES = ("train_op", "per_tower")
 
 
 def build_graph_def(towers: int, layers: int, shapes: bool = False, **kwargs: int | str) -> tf.compat.v1.GraphDef:
@@ -51,13 +56,15 @@ def build_graph_def(towers: int, layers: int, shapes: bool = False, **kwargs: in
 
 def build_graph(
     towers: int, layers: int, channels: int = 8, image: int = 4, batch: int = 2, device: str = "cpu",
-    variables: str = "shared", dtype: str = "float32", bn: str = "fused",
+    variables: str = "shared", dtype: str = "float32", bn: str = "fused", updates: str = "train_op",
 ) -> tf.Graph:
     """The graph `build_graph_def` exports, with its collections (variables, UPDATE_OPS)."""
     from tf_keras.src.legacy_tf_layers import convolutional, core, normalization
 
     if bn not in BATCH_NORMS:
         raise ValueError(f"bn {bn!r}: choose one of {', '.join(BATCH_NORMS)}")
+    if updates not in UPDATES:
+        raise ValueError(f"updates {updates!r}: choose one of {', '.join(UPDATES)}")
     if bn == "model_sync":
         import model_sync_bn  # beside this file, on sys.path as deep_net is
 
@@ -66,7 +73,7 @@ def build_graph(
     with graph.as_default(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         opt = tf1.train.MomentumOptimizer(0.1, 0.9)
-        tower_grads, losses = [], []
+        tower_grads, losses, groups = [], [], []
         for k in range(towers):
             scope = f"part{chr(97 + k)}" if variables == "unnamed" else f"tower_{k}"
             own = {"shared": "", "replicated": f"v{k}", "unnamed": f"w_{scope}"}[variables]
@@ -91,20 +98,23 @@ def build_graph(
                 loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
                 losses.append(loss)
                 tower_grads.append(opt.compute_gradients(loss, var_list=tf1.trainable_variables(own or None)))
+                if updates == "per_tower":
+                    groups.append(tf.group(*tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, f"{scope}/"), name="updates"))
         with tf.device(f"/{device}:0"), tf.name_scope("average"):
             averaged = [tf.add_n([g for g, _ in per_var]) / float(towers) for per_var in zip(*tower_grads)]
             tf.identity(tf.add_n(losses) / float(towers), name="loss")
         # Shared: one update of each variable; replicated: every tower's copy gets the average.
         copies = tower_grads[:1] if variables == "shared" else tower_grads
         apply = opt.apply_gradients([(g, v) for grads in copies for g, (_, v) in zip(averaged, grads)])
-        tf.group(apply, *tf1.get_collection(tf1.GraphKeys.UPDATE_OPS), name="train_op")
+        tf.group(apply, *(groups or tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)), name="train_op")
         tf1.global_variables_initializer()
     return graph
 
 
 def cached_path(towers: int, layers: int, **kwargs: int | str) -> str:
-    if kwargs.get("variables") == "shared":
-        del kwargs["variables"]  # the default: the file name it always had
+    for key, default in (("variables", "shared"), ("updates", "train_op")):
+        if kwargs.get(key) == default:
+            del kwargs[key]  # the default: the file name it always had
     extra = "".join(f"_{k}{v}" for k, v in sorted(kwargs.items()))
     path = os.path.join(CACHE_DIR, f"towers{towers}_layers{layers}{extra}.pb")
     if not os.path.exists(path):

@@ -49,71 +49,75 @@ def dedupe_moving_averages(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]
     if not doomed:
         return graph, record
     editor = graph.edit()
-    _rewire_consumers(graph, editor, doomed, keeper)
     removed = _with_exclusive_ancestors(graph, doomed)
+    _rewire_consumers(graph, editor, removed, keeper)
     for name, why in removed.items():
         editor.remove(name)
         record.removed.append((name, why))
-    for update, kept in keeper.items():
-        record.control_edges += _inherit_waits(graph, editor, update, kept, removed)
+    record.control_edges = _inherit_waits(graph, editor, keeper, removed)
     return editor.finish(), record
 
 
-def _inherit_waits(graph: Graph, editor: Editor, update: str, kept: str, removed: dict[str, str]) -> int:
-    """Make `kept` wait for what the removed `update` and the removed nodes that computed its
-    value waited for (their control inputs from nodes that stay); how many edges that added.
-    A node that runs after `kept` is left out: waiting for it would close a cycle."""
+def _inherit_waits(graph: Graph, editor: Editor, keeper: dict[str, str], removed: dict[str, str]) -> int:
+    """Make each kept update wait for what the removed updates it stands for, and the removed
+    nodes that computed their values, waited for (their control inputs from nodes that stay);
+    how many edges that added. A node that runs after the kept update is left out: waiting for
+    it would close a cycle. One reachability sweep answers that for every kept update."""
+    inherited = [(kept, _chain_waits(graph, update, removed)) for update, kept in keeper.items()]
+    waiting = {kept for kept, waits in inherited if waits}
+    if not waiting:
+        return 0
+    after = graph.ancestors_among({w[1:] for _, waits in inherited for w in waits}, waiting)
+    added = 0
+    for kept, waits in inherited:
+        waits = {w for w in waits - set(editor.node(kept).input) if kept not in after[w[1:]]}
+        if waits:
+            editor.mutable(kept).input.extend(sorted(waits))
+            added += len(waits)
+    return added
+
+
+def _chain_waits(graph: Graph, update: str, removed: dict[str, str]) -> set[str]:
+    """The control inputs (`^name`) from nodes that stay of the removed `update` and of the
+    removed nodes that computed its value."""
     chain, stack = {update}, [update]
     while stack:
         for src, _ in graph.inputs(stack.pop()):
             if src in removed and src not in chain:
                 chain.add(src)
                 stack.append(src)
-    waits = {spec for node in chain for spec in graph.node(node).input if spec.startswith("^") and spec[1:] not in removed}
-    waits -= set(editor.node(kept).input)
-    if waits:
-        after = _descendants(graph, kept)
-        waits = {w for w in waits if w[1:] not in after}
-    if waits:
-        editor.mutable(kept).input.extend(sorted(waits))
-    return len(waits)
+    return {spec for node in chain for spec in graph.node(node).input if spec.startswith("^") and spec[1:] not in removed}
 
 
-def _descendants(graph: Graph, name: str) -> set[str]:
-    """The nodes that run after `name` because they (transitively) read it."""
-    found: set[str] = set()
-    stack = [name]
-    while stack:
-        for reader in graph.consumers.get(stack.pop(), ()):
-            if reader not in found:
-                found.add(reader)
-                stack.append(reader)
-    return found
-
-
-def _rewire_consumers(graph: Graph, editor: Editor, doomed: dict[str, str], keeper: dict[str, str]) -> None:
-    """Point every edge to a doomed update at the kept update of the same variable, so that
+def _rewire_consumers(graph: Graph, editor: Editor, removed: dict[str, str], keeper: dict[str, str]) -> None:
+    """Point every edge to a removed update at the kept update of the same variable, so that
     whatever ran an update of a variable before (a train op that groups any tower's updates,
     a separate group, `with_dependencies`) runs the kept one. A control edge that would close
     a cycle (the kept update already runs after the reader) is dropped.
 
-    One pass over the inputs of each node that reads a doomed update: a train_op can wait on
-    thousands of them.
+    One pass over the inputs of each node that stays and reads a removed update (a train_op
+    can wait on thousands of them), and one reachability sweep for every edge that may close
+    a cycle.
     """
-    readers = dict.fromkeys(r for name in doomed for r in graph.consumers.get(name, ()) if r not in doomed)
+    readers = dict.fromkeys(r for name in keeper for r in graph.consumers.get(name, ()) if r not in removed)
+    rewired: dict[str, tuple[list[str], list[str]]] = {}
     for reader in readers:
-        node = editor.mutable(reader)
         inputs, waits = [], set()
-        for spec in node.input:
+        for spec in graph.node(reader).input:
             src, output = parse_input(spec)
-            if src not in doomed:
+            if src not in keeper:
                 inputs.append(spec)
             elif output >= 0:
                 inputs.append(tensor_name(keeper[src], output))
             else:
                 waits.add(keeper[src])
         present = {parse_input(spec)[0] for spec in inputs}
-        inputs.extend(f"^{kept}" for kept in sorted(waits - present) if not graph.depends_on(kept, reader))
+        rewired[reader] = inputs, sorted(waits - present)
+    after = graph.ancestors_among(
+        {kept for _, waits in rewired.values() for kept in waits}, [r for r, (_, waits) in rewired.items() if waits])
+    for reader, (inputs, waits) in rewired.items():
+        inputs.extend(f"^{kept}" for kept in waits if reader not in after[kept])
+        node = editor.mutable(reader)
         del node.input[:]
         node.input.extend(inputs)
 
