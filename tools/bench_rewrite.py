@@ -20,9 +20,9 @@ the same on every machine), fitted as a cost per node plus a cost per batch-norm
 exponents per tower count: whether the rewrite is linear, apart from how this machine's
 caches price a bigger graph, and the number of reachability walks (Graph.depends_on,
 Graph.ancestors_among calls), which must not grow with the graph.
-Then start-up: what a trainer that rewrites its graph before the session pays, tf.Graph ->
-as_graph_def() -> rewrite_graph -> tf.import_graph_def of the result, against
-tf.import_graph_def of the input (8 towers x --startup-layers; goal <= 2.0).
+Then start-up: what `bnrewrite run`'s first session on a graph pays, tf.Graph ->
+as_graph_def() -> rewrite_graph -> the result imported into a C graph as the session's shadow
+is, against tf.import_graph_def of the input (8 towers x --startup-layers; goal <= 2.0).
 Then the CLI end to end on the 8 x 50 .pb, and the peak memory of one rewrite measured in
 fresh subprocesses (tracemalloc's peak; and the peak RSS during the rewrite over the RSS just
 before it, for rewrite_graph(graph_def) and rewrite_graph(graph_def, in_place=True)), against
@@ -201,18 +201,23 @@ def print_work(rows: list[dict]) -> None:
 
 
 def bench_startup(towers: int, layers: int, reps: int, wiring: dict[str, str]) -> dict:
-    """What a trainer that builds a tf.Graph, rewrites it and imports the result pays, against
-    importing the graph it built: export (as_graph_def) + rewrite + import of the rewritten
-    GraphDef, repetitions interleaved with the plain import."""
+    """What the first session on a training graph pays under `bnrewrite run` / `enable()`,
+    against tf.import_graph_def of the graph: export (as_graph_def) + rewrite + the shadow's
+    import of the rewritten GraphDef into TensorFlow's C graph (bnrewrite.live), repetitions
+    interleaved with the plain import."""
     import tensorflow as tf
 
     from bnrewrite import rewrite_graph
+    from bnrewrite.live import _import as shadow_import
+
+    def _shadow(graph_def) -> None:  # noqa: ANN001
+        shadow_import(tf.Graph(), graph_def.SerializeToString(), {}, {})
 
     graph_def = deep_net.cached_graph_def(towers, layers, **wiring)
     built = tf.Graph()
     with built.as_default():
         tf.graph_util.import_graph_def(graph_def, name="")
-    _import(rewrite_graph(built.as_graph_def()).graph_def)  # warm-up: lazy imports, TensorFlow's op registry
+    _shadow(rewrite_graph(built.as_graph_def()).graph_def)  # warm-up: lazy imports, TensorFlow's op registry
     parts: dict[str, list[float]] = {k: [] for k in ("export", "rewrite", "import out", "import")}
     for _ in range(reps):
         gc.collect()
@@ -221,7 +226,7 @@ def bench_startup(towers: int, layers: int, reps: int, wiring: dict[str, str]) -
         exported_at = time.perf_counter()
         rewritten = rewrite_graph(exported).graph_def
         rewritten_at = time.perf_counter()
-        _import(rewritten)
+        _shadow(rewritten)
         parts["export"].append(exported_at - start)
         parts["rewrite"].append(rewritten_at - exported_at)
         parts["import out"].append(time.perf_counter() - rewritten_at)
@@ -239,8 +244,8 @@ def _import(graph_def) -> None:  # noqa: ANN001 - a GraphDef (TensorFlow is impo
 
 
 def print_startup(rows: list[dict]) -> None:
-    print("\n== start-up: tf.Graph -> as_graph_def() -> rewrite_graph -> import_graph_def of the result "
-          "(median of repetitions; ms) ==")
+    print("\n== start-up of bnrewrite run's first session: tf.Graph -> as_graph_def() -> rewrite_graph -> the shadow's "
+          "C import of the result (median of repetitions; ms) ==")
     _table(("towers", "layers", "nodes", "export", "rewrite", "import out", "total", "import in", "total / import in"), [(
         r["towers"], r["layers"], r["nodes"], *(f"{r[k] * 1e3:.0f}" for k in ("export", "rewrite", "import out", "total",
                                                                                "import")),
