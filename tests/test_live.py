@@ -198,3 +198,21 @@ def test_verify_stops_a_broken_rewrite_after_its_first_step(monkeypatch, capsys)
     err = capsys.readouterr().err
     assert "bnrewrite: error: graph" in err and "the first step failed its check, the script is stopped: " in err
     assert "layer net/bn1" in err.splitlines()[-1]
+
+
+def test_independent_models_are_refused_or_run_unsynced_when_allowed(capsys):
+    import trainers
+
+    batches = make_batches(SPEC, 2)
+    trainer = trainers.independent(2, SPEC.batch)
+    with bnrewrite.enabled(), pytest.raises(bnrewrite.IndependentModelsError, match="train independent models"):
+        trainers.run(trainer.graph, trainer, batches, num_devices=2)
+    capsys.readouterr()
+    allowed = trainers.independent(2, SPEC.batch)
+    with bnrewrite.enabled(allow_unsynced=True):
+        got, _ = trainers.run(allowed.graph, allowed, batches, num_devices=2)
+    as_built = trainers.independent(2, SPEC.batch)
+    expected, _ = trainers.run(as_built.graph, as_built, batches, num_devices=2)
+    np.testing.assert_array_equal(got.losses, expected.losses)  # run as it is
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "runs UNSYNCHRONIZED (--allow-unsynced): the towers" in err

@@ -97,22 +97,17 @@ def test_run_reports_every_graph_and_runs_the_eval_graph_unchanged(runs):
 
 
 def test_refused_graph_stops_the_script_before_its_first_step(tmp_path):
-    script = os.path.join(SCRIPTS, "independent_train.py")
-    refused = _start(["-m", "bnrewrite", "run", script, "--train_dir", "refused"], str(tmp_path))
-    allowed = _start(["-m", "bnrewrite", "run", "--allow-unsynced", script, "--train_dir", "allowed"], str(tmp_path))
-    refused, allowed = _finish(refused), _finish(allowed)
+    refused = _finish(_start(["-m", "bnrewrite", "run", os.path.join(SCRIPTS, "independent_train.py"), "--train_dir",
+                              "refused"], str(tmp_path)))
     assert refused.returncode == 6, refused.stderr[-2000:]
     lines = [line for line in refused.stderr.splitlines() if line.startswith("bnrewrite:")]
     assert len(lines) == 1 and "train independent models" in lines[0] and "refused" in lines[0]
     assert "step" not in refused.stdout and not os.path.exists(tmp_path / "refused")
-    assert allowed.returncode == 0, allowed.stderr[-2000:]
-    assert "runs UNSYNCHRONIZED" in allowed.stderr and "step 2" in allowed.stdout
-    assert os.path.exists(tmp_path / "allowed")
 
 
 def test_ctrl_c_during_training_exits_130(tmp_path):
     process = subprocess.Popen(
-        [sys.executable, "-m", "bnrewrite", "run", EXAMPLE, "--num_gpus", "2", "--steps", "5000", "--train_dir", "t"],
+        [sys.executable, "-m", "bnrewrite", "run", EXAMPLE, "--num_gpus", "2", "--steps", "300", "--train_dir", "t"],
         cwd=str(tmp_path), env={**ENV, "PYTHONUNBUFFERED": "1"}, text=True, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
