@@ -298,9 +298,12 @@ def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any],
             _require(figure <= tolerance, f"layer {row.layer}, tower {t.tower}: {what} is off by {figure:.2e} "
                                           f"(allowed {tolerance:.1e})")
             figures[name] = max(figures.get(name, 0.0), float(figure))
-    statistics = {"mean": [("mean", mean)],
-                  "variance": [("unbiased variance", variance * total / max(total - 1.0, 1.0)), ("variance", variance),
-                               ("standard deviation", np.sqrt(variance + row.epsilon))]}
+    # Each with the scale its rounding is judged on: a mean on the channel's standard deviation,
+    # as the mean check above (near zero, float32 local means err by far more than |mean|).
+    deviation = np.sqrt(variance + row.epsilon)
+    statistics = {"mean": [("mean", mean, deviation)],
+                  "variance": [("unbiased variance", variance * total / max(total - 1.0, 1.0), 0.0),
+                               ("variance", variance, 0.0), ("standard deviation", deviation, 0.0)]}
     updates = []
     for u in layer.updates:
         old = np.asarray(before[u.read], np.float64)
@@ -332,14 +335,14 @@ def _output_error(value: dict[str, np.ndarray], t: _Tower, epsilon: float) -> fl
     return float(np.max(value[t.worst] / ((value[t.largest] + np.abs(value[t.mean])) * np.abs(gain) + beta + _TINY)))
 
 
-def _best(old: np.ndarray, written: np.ndarray, candidates: list[tuple[str, np.ndarray]]) -> tuple[float, float, str]:
+def _best(old: np.ndarray, written: np.ndarray, candidates: list[tuple[str, np.ndarray, Any]]) -> tuple[float, float, str]:
     """(residual, factor, name) of the candidate statistic s that `written` = old + f * (s - old)
-    fits best with one f for every channel; residual relative to |old| + |s|."""
+    fits best with one f for every channel; residual relative to |old| + |s| + its scale."""
     best = (np.inf, 0.0, "")
-    for name, target in candidates:
+    for name, target, scale in candidates:
         step = target - old
         factor = float(np.sum((written - old) * step) / max(float(np.sum(step * step)), _TINY))
-        residual = float(np.max(np.abs(written - old - factor * step) / (np.abs(old) + np.abs(target) + _TINY)))
+        residual = float(np.max(np.abs(written - old - factor * step) / (np.abs(old) + np.abs(target) + scale + _TINY)))
         best = min(best, (residual, factor, name))
     return best
 
