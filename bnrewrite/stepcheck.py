@@ -284,12 +284,15 @@ def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any],
     y_tolerance = moments_tolerance + DTYPE_ULPS * EPSILON.get(row.dtype, EPSILON["float"])
     figures = {"mean": 0.0, "variance": 0.0}
     unchecked = [] if all(t.worst for t in layer.towers) else ["output not checked (not tf.nn.batch_normalization's)"]
+    # The scales float32 rounding works on: a mean's is |mean| + std, a variance's (the towers'
+    # float32 means err by epsilons of |mean|, times the spread of the means) also |mean| * std.
+    deviation = np.sqrt(variance + row.epsilon)
+    mean_scale, variance_scale = np.abs(mean) + deviation + _TINY, variance + row.epsilon + np.abs(mean) * deviation
     for t in layer.towers:
-        std = np.sqrt(variance + row.epsilon) + _TINY
-        checks = [("mean", np.max(np.abs(value[t.mean] - mean) / std), moments_tolerance,
-                   "the global mean, relative to the standard deviation"),
-                  ("variance", np.max(np.abs(value[t.variance] - variance) / (variance + row.epsilon + _TINY)),
-                   moments_tolerance, "the global variance, relative")]
+        checks = [("mean", np.max(np.abs(value[t.mean] - mean) / mean_scale), moments_tolerance,
+                   "the global mean, relative to |mean| + the standard deviation"),
+                  ("variance", np.max(np.abs(value[t.variance] - variance) / variance_scale),
+                   moments_tolerance, "the global variance, relative to it + |mean| * the standard deviation")]
         if t.worst:
             checks.append(("output", _output_error(value, t, row.epsilon), y_tolerance,
                            "the output y against gamma * (x - mean) / sqrt(var + eps) + beta in float64, relative to the "
@@ -298,12 +301,11 @@ def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any],
             _require(figure <= tolerance, f"layer {row.layer}, tower {t.tower}: {what} is off by {figure:.2e} "
                                           f"(allowed {tolerance:.1e})")
             figures[name] = max(figures.get(name, 0.0), float(figure))
-    # Each with the scale its rounding is judged on: a mean on the channel's standard deviation,
-    # as the mean check above (near zero, float32 local means err by far more than |mean|).
-    deviation = np.sqrt(variance + row.epsilon)
+    # Each with the scale its rounding is judged on beyond |old| + |statistic|, as above.
+    spread = np.abs(mean) * deviation
     statistics = {"mean": [("mean", mean, deviation)],
-                  "variance": [("unbiased variance", variance * total / max(total - 1.0, 1.0), 0.0),
-                               ("variance", variance, 0.0), ("standard deviation", deviation, 0.0)]}
+                  "variance": [("unbiased variance", variance * total / max(total - 1.0, 1.0), spread),
+                               ("variance", variance, spread), ("standard deviation", deviation, np.abs(mean))]}
     updates = []
     for u in layer.updates:
         old = np.asarray(before[u.read], np.float64)
