@@ -283,11 +283,14 @@ def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any],
     unchecked = [] if all(t.worst for t in layer.towers) else ["output not checked (not tf.nn.batch_normalization's)"]
     for t in layer.towers:
         mean, variance, _ = moments[t.tower]
-        std = np.sqrt(variance + row.epsilon) + _TINY
-        checks = [("mean", np.max(np.abs(value[t.mean] - mean) / std), moments_tolerance,
-                   "the global mean, relative to the standard deviation"),
-                  ("variance", np.max(np.abs(value[t.variance] - variance) / (variance + row.epsilon + _TINY)),
-                   moments_tolerance, "the global variance, relative")]
+        # The scales float32 rounding works on: a mean's is |mean| + std, a variance's (the towers'
+        # float32 means err by epsilons of |mean|, times the spread of the means) also |mean| * std.
+        deviation = np.sqrt(variance + row.epsilon)
+        mean_scale, variance_scale = np.abs(mean) + deviation + _TINY, variance + row.epsilon + np.abs(mean) * deviation
+        checks = [("mean", np.max(np.abs(value[t.mean] - mean) / mean_scale), moments_tolerance,
+                   "the global mean, relative to |mean| + the standard deviation"),
+                  ("variance", np.max(np.abs(value[t.variance] - variance) / variance_scale),
+                   moments_tolerance, "the global variance, relative to it + |mean| * the standard deviation")]
         if t.worst:
             checks.append(("output", _output_error(value, t, row.epsilon), y_tolerance,
                            "the output y against gamma * (x - mean) / sqrt(var + eps) + beta in float64, relative to the "
@@ -330,15 +333,19 @@ def _group_moments(layer: _Layer, value: dict[str, np.ndarray]) -> dict[str, tup
     return found
 
 
-def _targets(moments: tuple[np.ndarray, np.ndarray, float], row: LayerRow) -> dict[str, list[tuple[str, np.ndarray]]]:
+def _targets(moments: tuple[np.ndarray, np.ndarray, float], row: LayerRow) -> dict[str, list[tuple[str, np.ndarray, Any]]]:
     """The statistics a moving average of the mean or the variance may move toward, in the order
-    the layer's kind makes likely: one step from 0 (zero-debias's biased value) fits every one
-    proportional to the first."""
+    the layer's kind makes likely (one step from 0, zero-debias's biased value, fits every one
+    proportional to the first), each with the scale its rounding is judged on beyond |old| +
+    |statistic|, as the moments' are."""
     mean, variance, total = moments
-    unbiased, biased = ("unbiased variance", variance * total / max(total - 1.0, 1.0)), ("variance", variance)
-    return {"mean": [("mean", mean)],
+    deviation = np.sqrt(variance + row.epsilon)
+    spread = np.abs(mean) * deviation
+    unbiased = ("unbiased variance", variance * total / max(total - 1.0, 1.0), spread)
+    biased = ("variance", variance, spread)
+    return {"mean": [("mean", mean, deviation)],
             "variance": [*((unbiased, biased) if row.op.startswith("Fused") else (biased, unbiased)),
-                         ("standard deviation", np.sqrt(variance + row.epsilon))]}
+                         ("standard deviation", deviation, np.abs(mean))]}
 
 
 def _output_error(value: dict[str, np.ndarray], t: _Tower, epsilon: float) -> float:
@@ -350,16 +357,16 @@ def _output_error(value: dict[str, np.ndarray], t: _Tower, epsilon: float) -> fl
     return float(np.max(value[t.worst] / ((value[t.largest] + np.abs(value[t.mean])) * np.abs(gain) + beta + _TINY)))
 
 
-def _toward(old: np.ndarray, written: np.ndarray, candidates: list[tuple[str, np.ndarray]],
+def _toward(old: np.ndarray, written: np.ndarray, candidates: list[tuple[str, np.ndarray, Any]],
             tolerance: float) -> tuple[float, float, str]:
     """(residual, factor, name) of the first candidate statistic s that `written` = old + f * (s - old)
-    fits with one f in (0, 1] for every channel, residual relative to |old| + |s|; else of the
-    one that fits best."""
+    fits with one f in (0, 1] for every channel, residual relative to |old| + |s| + its scale;
+    else of the one that fits best."""
     fits = []
-    for name, target in candidates:
+    for name, target, scale in candidates:
         step = target - old
         factor = float(np.sum((written - old) * step) / max(float(np.sum(step * step)), _TINY))
-        residual = float(np.max(np.abs(written - old - factor * step) / (np.abs(old) + np.abs(target) + _TINY)))
+        residual = float(np.max(np.abs(written - old - factor * step) / (np.abs(old) + np.abs(target) + scale + _TINY)))
         if residual <= tolerance and 0.0 < factor <= 1.0 + tolerance:
             return residual, factor, name
         fits.append((residual, factor, name))
