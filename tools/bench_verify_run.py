@@ -32,6 +32,7 @@ import time
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
@@ -116,11 +117,11 @@ class Recorder:
         self.reads = 0.0
         evaluate, read = stepcheck.StepCheck.evaluate, first_step._read
 
-        def recorded_evaluate(check, before, step, after):
+        def recorded_evaluate(check: stepcheck.StepCheck, before: list, step: list, after: list) -> Any:
             self.fetched = tuple(sum(np.asarray(v).nbytes for v in values) for values in (before, step, after))
             return evaluate(check, before, step, after)
 
-        def timed_read(session, outputs):
+        def timed_read(session: tf1.Session, outputs: list) -> list:
             start = time.perf_counter()
             try:
                 return read(session, outputs)
@@ -137,7 +138,7 @@ def feeds(model: Model, count: int, seed: int) -> list[dict[str, np.ndarray]]:
         (f"tower_{k}/labels:0", rng.integers(0, 10, [model.batch]).astype(np.int32)))} for _ in range(count)]
 
 
-def timed(run) -> tuple[float, float]:
+def timed(run: Callable[[], object]) -> tuple[float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
     run()
     return time.perf_counter() - wall, time.process_time() - cpu
