@@ -31,7 +31,7 @@ class FirstStep:
 
         check = stepcheck.build(graph, result.report)
         inputs = {node.name: [name.lstrip("^").split(":")[0] for name in node.input] for node in result.graph_def.node}
-        sites = frozenset(site for row in result.report.layers for site in row.sites)
+        sites = frozenset(site for layer in check.layers for site in layer.row.sites)  # the layers it can see
         return cls(check, graph, sites, inputs)
 
     def covers(self, names: Iterable[str]) -> bool:

@@ -459,6 +459,12 @@ def _decide(graph: Any, config: Any, options: LiveOptions) -> _Decision:
     else:
         _note(options, f"graph {number}: " + report.text().splitlines()[0].removeprefix("bnrewrite: ")
               + "".join(f"; {n}" for n in report.notes))
+    if shadow.first_step is not None and not shadow.first_step.check.layers:  # nothing the check can fetch
+        not_checked = shadow.first_step.check.not_checked
+        shadow.first_step = None
+        _record_verdict(number, {"passed": None, "not_checked": not_checked})
+        _note(options, f"graph {number}: nothing verified: its {len(not_checked)} layer(s) are inside function "
+                       f"bodies (control flow v2), which the check cannot fetch ({', '.join(not_checked)})")
     return _Decision(shadow, version)
 
 

@@ -168,11 +168,20 @@ def test_already_rewritten_graph_runs_unchanged_and_queue_runners_work(capsys):
         assert _dequeued(graph, sess, 5.0) == 5.0
 
 
-@pytest.mark.parametrize("spec", [
-    Spec(towers=2, batch=2, layer="fused_op"), Spec(towers=4, batch=2, layer="legacy_unfused"),
-    Spec(towers=2, batch=2, renorm=True), Spec(towers=2, batch=2, layer="legacy_cond_v1"),
-    Spec(towers=4, batch=2, layer="legacy", data_format="NCHW"),
-], ids=["fused op K2", "moments K4", "renorm K2", "cond v1 K2", "NCHW K4"])
+#: Every form the README lists that the check can see (layers inside control flow v2 branch
+#: functions cannot be fetched: test_cond_v2_layers_are_named_not_checked), at K=2 or 4.
+VERIFY_FORMS = {
+    "legacy K2": Spec(towers=2, batch=2), "fused op K2": Spec(towers=2, batch=2, layer="fused_op"),
+    "moments K4": Spec(towers=4, batch=2, layer="legacy_unfused"), "renorm K2": Spec(towers=2, batch=2, renorm=True),
+    "cond v1 K2": Spec(towers=2, batch=2, layer="legacy_cond_v1"),
+    "moments cond v1 K4": Spec(towers=4, batch=2, layer="moments_cond_v1"),
+    "NCHW K4": Spec(towers=4, batch=2, data_format="NCHW"), "float16 K2": Spec(towers=2, batch=2, dtype="float16"),
+    "bfloat16 K2": Spec(towers=2, batch=2, dtype="bfloat16"),
+}
+TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
+
+
+@pytest.mark.parametrize("spec", VERIFY_FORMS.values(), ids=VERIFY_FORMS)
 def test_verify_checks_the_first_step_once(spec, capsys):
     built = build_towers(spec)
     with bnrewrite.enabled(verify=True):
@@ -181,7 +190,19 @@ def test_verify_checks_the_first_step_once(spec, capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if "verified" in line]
     assert len(lines) == 1 and f"verified 2 layers x {spec.towers} towers on {devices}: worst " in lines[0], lines
     assert "moving statistics updated once" in lines[0]
-    assert_synced("verify", got, unrewritten_run(spec, 2), one_device_run(spec, 2), 2e-5)  # trained once
+    assert_synced("verify", got, unrewritten_run(spec, 2), one_device_run(spec, 2), TOLERANCE[spec.dtype])  # once
+
+
+def test_cond_v2_layers_are_named_not_checked(capsys):
+    spec = Spec(towers=2, batch=2, layer="legacy_cond_v2")
+    built = build_towers(spec)
+    with bnrewrite.enabled(verify=True):
+        got = train(built.graph, built, make_batches(spec, 2), num_devices=spec.towers)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "verified" in line]
+    assert len(lines) == 1 and lines[0].endswith(
+        ": nothing verified: its 2 layer(s) are inside function bodies (control flow v2), which the check cannot fetch "
+        "(net/bn1, net/bn2)")
+    assert_synced("verify cond v2", got, unrewritten_run(spec, 2), one_device_run(spec, 2), 2e-5)
 
 
 def test_verify_stops_a_broken_rewrite_after_its_first_step(monkeypatch, capsys):
