@@ -237,3 +237,18 @@ def test_independent_models_are_refused_or_run_unsynced_when_allowed(capsys):
     np.testing.assert_array_equal(got.losses, expected.losses)  # run as it is
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "runs UNSYNCHRONIZED (--allow-unsynced): the towers" in err
+
+
+def test_mirrored_strategy_graph_under_enable():
+    """A graph MirroredStrategy built (replicated variables, its own collective all-reduce of the
+    gradients), its session made under enable(): trains like one device."""
+    from test_mirrored import BATCH, STEPS, _build, _every_copy
+
+    data = make_batches(Spec(towers=2, batch=BATCH), STEPS)
+    reference = _build("legacy_fused", 1, 2 * BATCH)
+    expected = _every_copy(train(reference.graph, reference, data, num_devices=1), 2)
+    built, plain = _build("legacy_fused", 2, BATCH), _build("legacy_fused", 2, BATCH)
+    with bnrewrite.enabled(quiet=True):
+        synced = train(built.graph, built, data, num_devices=2)
+    assert_synced("MirroredStrategy under enable()", synced, train(plain.graph, plain, data, num_devices=2), expected,
+                  1e-4)
