@@ -72,6 +72,7 @@ class Shadow:
     number: int = 0  # the graph's number in the messages and records
     options: LiveOptions = field(default_factory=LiveOptions)
     first_step: Any = None  # a FirstStep while the first step is to be checked
+    operations: dict[str, Any] | None = None  # name -> TF_Operation of the shadow, made at the first copy
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def catch_up(self, script_graph: Any) -> None:
@@ -203,11 +204,13 @@ def _shadow(count: int, result: Any, number: int = 0, options: LiveOptions | Non
     return Shadow(shadow_graph, count, removed, functions, number, options, first_step)
 
 
-def _import(graph: Any, graph_def: bytes, inputs: dict[str, tuple[Any, int]], controls: dict[str, Any]) -> None:
+def _import(graph: Any, graph_def: bytes, inputs: dict[str, tuple[Any, int]], controls: dict[str, Any],
+            returns: list[str] | None = None) -> list[Any]:
     """Import a serialized GraphDef into `graph`'s C graph alone: the session runs that, and the
     Python Operation objects tf.graph_util.import_graph_def would make (most of its time) are
     never used. `inputs` maps tensor names the GraphDef reads from outside it to (TF_Operation,
-    output index) of `graph`; `controls`, control inputs from outside to TF_Operations."""
+    output index) of `graph`; `controls`, control inputs from outside to TF_Operations. Returns
+    the TF_Operations of the nodes named in `returns`."""
     from tensorflow.python.client import pywrap_tf_session as c_api
     from tensorflow.python.framework import c_api_util
 
@@ -219,11 +222,14 @@ def _import(graph: Any, graph_def: bytes, inputs: dict[str, tuple[Any, int]], co
             options.options, source, int(source_index or 0), c_api_util.tf_output(operation, index))
     for name, operation in controls.items():
         c_api.TF_ImportGraphDefOptionsRemapControlDependency(options.options, name, operation)
+    for name in returns or []:
+        c_api.TF_ImportGraphDefOptionsAddReturnOperation(options.options, name)
     buffer = c_api.TF_NewBufferFromString(graph_def)
     try:
         with graph._c_graph.get() as c_graph:
-            c_api_util.ScopedTFImportGraphDefResults(
+            results = c_api_util.ScopedTFImportGraphDefResults(
                 c_api.TF_GraphImportGraphDefWithResults(c_graph, buffer, options.options))
+        return list(c_api.TF_ImportGraphDefResultsReturnOperations(results.results)) if returns else []
     finally:
         c_api.TF_DeleteBuffer(buffer)
 
@@ -247,7 +253,9 @@ def _copy_ops(operations: list[Any], script_graph: Any, shadow: Shadow) -> None:
     inputs from outside them mapped to the shadow's ops of the same names."""
     from tensorflow.core.framework import graph_pb2
 
-    existing = _operations(shadow.graph)
+    if shadow.operations is None:
+        shadow.operations = _operations(shadow.graph)
+    existing = shadow.operations
     fragment = graph_pb2.GraphDef()
     fragment.versions.CopyFrom(script_graph.graph_def_versions)
     names = {op.name for op in operations}
@@ -279,7 +287,8 @@ def _copy_ops(operations: list[Any], script_graph: Any, shadow: Shadow) -> None:
             fragment.library.function.append(function.definition)
             shadow.functions.add(name)
     if fragment.node:
-        _import(shadow.graph, fragment.SerializeToString(), inputs, controls)
+        added = [node.name for node in fragment.node]
+        existing.update(zip(added, _import(shadow.graph, fragment.SerializeToString(), inputs, controls, added)))
 
 
 def _install() -> None:
