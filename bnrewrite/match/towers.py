@@ -147,7 +147,10 @@ def _mismatch(members: list[Site], tower: dict[str, str], ids: list[str]) -> str
         seen[tower[s.name]].append(s.name)
     twice = [t for t, names in seen.items() if len(names) > 1]
     if twice:
-        return f"used {len(seen[twice[0]])} times in tower {shown_tower(twice[0])}; a layer must appear once per tower"
+        return (f"used {len(seen[twice[0]])} times in tower {shown_tower(twice[0])} (one network applied to several "
+                "batches in each tower, e.g. a discriminator on real and on generated images); bnrewrite synchronizes "
+                "a layer applied once per tower, and pairing each application with its counterparts in the other "
+                "towers is not supported")
     missing = [t for t in ids if t not in seen]
     if missing:
         return f"missing from tower(s) {', '.join(map(shown_tower, missing))}"
