@@ -175,7 +175,7 @@ def _find_script(given: str) -> _Main:
     if os.path.isdir(path) or _is_zip(path):
         spec = importlib.machinery.PathFinder.find_spec("__main__", [path])
         if spec is None or spec.loader is None:
-            raise _NotRunnable(f"can't find '__main__' module in {given!r}")
+            raise _NotRunnable(f"can't find '__main__' module in {path!r}")
         return _Main(given, path, spec.loader.get_code("__main__"), _spec_attributes(spec), spec.origin)  # type: ignore[attr-defined]
     with io.open_code(path) as handle:
         data = handle.read()
