@@ -101,15 +101,14 @@ examples:
 
 SCRIPT (a file, a directory or zip file with __main__.py, or - for stdin) runs exactly as
 `python SCRIPT ARGS` would (argv, __main__, sys.path[0], its exit code, tracebacks, Ctrl-C as
-130); everything after SCRIPT is the script's. Each session it
-creates (tf.compat.v1.Session, InteractiveSession, Supervisor, MonitoredTrainingSession,
-tf_slim.learning.train, ...) on a graph with multi-tower training batch norm runs the
-synchronized graph; the script's graph, handles, savers and checkpoints stay as they were.
-Graphs with nothing to synchronize (inference, one tower, already rewritten) run unchanged
-with a note; a graph bnrewrite refuses stops the script before its first step with the
-error's exit code, unless --allow-unsynced. --report follows the rule of convert's outputs:
-checked before the script starts (exit 10), written atomically when it ends, also on SIGTERM
-and SIGHUP.
+130); everything after SCRIPT is the script's. Each session it creates (tf.compat.v1.Session,
+InteractiveSession, Supervisor, MonitoredTrainingSession, tf_slim.learning.train, ...) on a
+graph with multi-tower training batch norm runs the synchronized graph; the script's graph,
+handles, savers and checkpoints stay as they were. Graphs with nothing to synchronize
+(inference, one tower, already rewritten) run unchanged with a note; a graph bnrewrite refuses
+stops the script before its first step with the error's exit code, unless --allow-unsynced.
+--report follows the rule of convert's outputs: checked before the script starts (exit 10),
+written atomically when it ends, also on SIGTERM and SIGHUP.
 """
 
 INSPECT_EPILOG = """\
