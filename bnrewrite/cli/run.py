@@ -81,6 +81,8 @@ class _NotRunnable(Exception):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """Run SCRIPT (or -m MODULE) as python would, with enable() in force: --report checked
+    before it starts and written when it ends. Returns the script's exit status."""
     if args.module is None and not args.script_argv:
         print_error("run needs SCRIPT or -m MODULE (see 'bnrewrite run --help')")
         return USAGE
@@ -131,7 +133,7 @@ def _find(args: argparse.Namespace) -> _Main | int:
         _print_exception(exc, None)
         return 1
     except OSError as exc:
-        print_error(f"can't open file {args.script_argv[0]!r}: {exc.strerror or exc}")
+        print_error(f"can't open file {args.module or args.script_argv[0]!r}: {exc.strerror or exc}")
         return USAGE
     from bnrewrite.io.staging import same_or_nested
 
