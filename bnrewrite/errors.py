@@ -46,6 +46,13 @@ class IndependentModelsError(NoTowersError):
     tower runs unchanged."""
 
 
+class NotReplicasError(NoTowersError):
+    """What looked like towers are not data-parallel replicas: layers of one model, chained or
+    separate networks, or one network applied twice inside one gradient computation.
+
+    A NoTowersError (same exit code): `bnrewrite run` and `enable()` run such graphs unchanged."""
+
+
 class TowerMismatchError(BnRewriteError):
     """Towers were found but no batch-norm layer lines up across all of them."""
 

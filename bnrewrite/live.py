@@ -177,7 +177,16 @@ def attach(graph: Any, rewrite: Callable[[Any], Any]) -> Any:
                 "call rewrite_graph(g, in_place=True) before creating any session on g (or close them first)")
         graph_def = graph.as_graph_def()
         count = len(graph_def.node)
-        result = rewrite(graph_def)
+        try:
+            result = rewrite(graph_def)
+        except (IndependentModelsError, AlreadyRewrittenError):
+            raise
+        except NOTHING_TO_SYNC as exc:  # as enable() would: run it as built, and say why
+            from bnrewrite.api import RewriteResult
+            from bnrewrite.report import Report
+
+            print(f"bnrewrite: graph runs unchanged: {exc}", file=sys.stderr, flush=True)
+            return RewriteResult(graph_def, None, Report(unchanged=str(exc)))
         _state.decisions[graph] = _Decision(_shadow(count, result), graph.version, in_place=True)
         _install()
         return result

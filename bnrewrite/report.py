@@ -72,6 +72,7 @@ class Report:
     nodes_before: int = 0
     nodes_after: int = 0
     already_rewritten: bool = False
+    unchanged: str = ""  # rewrite_graph(g, in_place=True) left a graph with nothing to synchronize as it is: why
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -98,6 +99,8 @@ class Report:
         """The report for people. Unless `verbose`, the ops removed are counted with the first few
         duplicate updates named (a K-tower graph removes dozens); `more` says where the rest are.
         `to_dict()` always holds every list in full."""
+        if self.unchanged:
+            return f"bnrewrite: runs unchanged: {self.unchanged}\n"
         if self.already_rewritten:
             return "already rewritten by bnrewrite: nothing changed\n" + "".join(f"  {n}\n" for n in self.notes)
         lines = [

@@ -15,8 +15,9 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-from bnrewrite.errors import NoTowersError, TowerMismatchError
+from bnrewrite.errors import NotReplicasError, NoTowersError, TowerMismatchError
 from bnrewrite.graph import Graph
+from bnrewrite.match.data_parallel import not_replicas
 from bnrewrite.match.lineup import line_up
 from bnrewrite.match.sites import Site, Skip
 
@@ -69,7 +70,7 @@ def group_towers(graph: Graph, sites: list[Site], by: str = "auto", min_towers: 
     Groups that do not have exactly one copy in every tower, or whose copies differ in
     op, format, dtype or attributes, are skipped whole with the reason.
     """
-    by = choose_tower_by(sites, by)
+    requested, by = by, choose_tower_by(sites, by)
     replica_scopes = by == "scope" and any(_REPLICA_SCOPE.fullmatch(s.name.split("/", 1)[0]) for s in sites)
     tower = {s.name: tower_of(s, by, replica_scopes) for s in sites}
     ids = sorted(set(tower.values()), key=_natural)
@@ -79,6 +80,10 @@ def group_towers(graph: Graph, sites: list[Site], by: str = "auto", min_towers: 
             f"training batch norm found in only one tower ({where}, told apart by {by}); "
             "bnrewrite needs a graph replicated over 2 or more towers (devices or name scopes)"
         )
+    if len(ids) >= 2:
+        reason = not_replicas(graph, sites, tower, ids, one_device=requested == "auto" and by == "scope")
+        if reason:
+            raise NotReplicasError(reason)
     variables = {s.name: _variables(s) for s in sites}
     users: dict[str, set[str]] = defaultdict(set)  # variable -> the towers whose sites use it
     for s in sites:

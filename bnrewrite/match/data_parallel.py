@@ -1,0 +1,152 @@
+"""Whether towers are data-parallel replicas: copies of one model, each fed its own share of the
+step's batch, each with its own loss and gradients, combined across copies.
+
+Layers of one model (`batch_normalization`, `batch_normalization_1`), sub-networks chained into
+each other (encoder/decoder, generator -> discriminator), separate networks (two streams, a mean
+teacher) and one network applied twice inside one gradient computation (Siamese nets, a GAN's
+discriminator on real and generated images) are not replicas: each of their batch norms
+normalizes what the program gives it, and synchronizing them trains another program. Two facts
+of the graph tell them apart, whatever the names:
+
+1. replicas never read each other's activations: a batch norm of one tower that feeds (along
+   data edges) a batch norm of another makes them layers of one computation;
+2. on one device (or none), where only names told the towers apart, each tower's batch-norm
+   gradients must come from a gradient computation of its own: every `tf.gradients` call (and
+   tape) seeds its loss with ones made from constants and shapes alone (`Fill`, `OnesLike`), so
+   two towers whose gradients reach one seed were differentiated as one loss. Towers on distinct
+   devices need no such proof (Keras' `multi_gpu_model` takes one loss over all of them).
+
+Invariant: "" only for towers that neither feed each other nor, on one device, share a seed.
+Both checks are walks over the nodes the sites reach: linear in the graph.
+"""
+
+from __future__ import annotations
+
+from bnrewrite.graph import Graph, parse_input
+from bnrewrite.match.sites import Site
+from bnrewrite.nodes import BODY_MARK
+
+#: Ops whose output does not depend on their inputs' values (only on shapes, or nothing).
+_VALUE_FREE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike", "BroadcastArgs"})
+_CONSTANT_OPS = frozenset({"Const", "HostConst"})
+
+
+def not_replicas(graph: Graph, sites: list[Site], tower: dict[str, str], ids: list[str], one_device: bool) -> str:
+    """Why the towers `ids` (each site's in `tower`) are not data-parallel replicas, or "".
+    `one_device`: the towers were told apart by name scope alone, so their gradients must
+    also come from computations of their own."""
+    reason = _chained(graph, sites, tower, ids)
+    if reason or not one_device:
+        return reason
+    return _one_gradient_computation(graph, sites, tower, ids)
+
+
+def _outer(name: str) -> str:
+    """The node of the main graph that holds `name` (the If/While call of a function body's node)."""
+    return name.split(BODY_MARK, 1)[0]
+
+
+def _chained(graph: Graph, sites: list[Site], tower: dict[str, str], ids: list[str]) -> str:
+    """Why some tower's batch norm feeds another tower's (the first such pair), or ""."""
+    index = {t: k for k, t in enumerate(ids)}
+    marks: dict[str, int] = {}
+    for s in sites:
+        for name in (s.name, s.variance):
+            if name:
+                marks[_outer(name)] = marks.get(_outer(name), 0) | 1 << index[tower[s.name]]
+    masks: dict[str, int] = {}  # node -> the towers whose batch norms it reads, directly or not
+    reached, consumers = set(marks), graph.consumers
+    for name in graph.topological_order():
+        if name not in reached:
+            continue
+        upstream = 0
+        for spec in graph.node(name).input:
+            src, out = parse_input(spec)
+            if out >= 0:
+                upstream |= masks.get(src, 0)
+        other = upstream & ~marks.get(name, -1)
+        if other:
+            fed = next(s for s in sites if name in (_outer(s.name), _outer(s.variance or s.name)))
+            source = next(s for s in sites if other >> index[tower[s.name]] & 1)
+            return (f"batch norm {source.name} feeds batch norm {fed.name}: they are layers of one computation "
+                    f"(one model's layers, or networks chained into each other), not copies of a model on separate "
+                    f"shares of the batch ({', '.join(ids)} were taken for towers)")
+        mask = upstream | marks.get(name, 0)
+        if mask:
+            masks[name] = mask
+            reached.update(consumers.get(name, ()))
+    return ""
+
+
+def _one_gradient_computation(graph: Graph, sites: list[Site], tower: dict[str, str], ids: list[str]) -> str:
+    """Why the towers' batch-norm gradients do not come from one gradient computation per tower, or ""."""
+    value_free: dict[str, bool] = {}
+    forward: set[str] = set()  # value-free nodes the forward pass reads: no gradient's seed
+    _ancestors(graph, {_outer(n) for s in sites for n in (s.name, s.variance) if n}, value_free, forward)
+    seeds: dict[str, set[str]] = {}
+    for t in ids:
+        grads = {_outer(n) for s in sites if tower[s.name] == t for n in (*s.grads, *s.variance_grads)}
+        if not grads:
+            return (f"tower {t} has no gradient of its own batch norms while they run in training mode (a teacher "
+                    f"or target network, or separate models), and on one device nothing but names tells "
+                    f"{', '.join(ids)} apart: not taken for data-parallel towers; give --tower-by scope "
+                    "(tower_by='scope') if they are")
+        found: set[str] = set()
+        _ancestors(graph, grads, value_free, found)
+        seeds[t] = found - forward
+    owner: dict[str, str] = {}
+    for t in ids:
+        for seed in sorted(seeds[t]):
+            if seed in owner and owner[seed] != t:
+                return (f"towers {owner[seed]} and {t} take their batch-norm gradients from one gradient computation "
+                        f"(both from {seed}): one loss over both, as a network applied twice (Siamese, a "
+                        "discriminator on real and generated data) or separate networks trained together; on one "
+                        "device that is not data parallelism: each replica computes its own loss and gradients. "
+                        "Give --tower-by scope (tower_by='scope') if they are replicas")
+            owner[seed] = t
+    return ""
+
+
+def _ancestors(graph: Graph, starts: set[str], value_free: dict[str, bool], seeds: set[str]) -> None:
+    """Adds to `seeds` the value-free computed nodes (not constants) among the data ancestors of
+    `starts`, walking through the others."""
+    seen, stack = set(starts), list(starts)
+    while stack:
+        name = stack.pop()
+        for spec in graph.node(name).input:
+            src, out = parse_input(spec)
+            if out < 0 or src in seen:
+                continue
+            if _value_free(graph, src, value_free):
+                if graph.node(src).op not in _CONSTANT_OPS:
+                    seeds.add(src)
+                continue
+            seen.add(src)
+            stack.append(src)
+
+
+def _value_free(graph: Graph, name: str, memo: dict[str, bool]) -> bool:
+    """Whether `name`'s output is made from constants and shapes alone (memoized, iterative)."""
+    stack = [name]
+    while stack:
+        current = stack[-1]
+        if current in memo:
+            stack.pop()
+            continue
+        node = graph.node(current)
+        if node.op in _CONSTANT_OPS or node.op in _VALUE_FREE_OPS:
+            memo[current] = True
+            stack.pop()
+            continue
+        sources = [src for src, out in map(parse_input, node.input) if out >= 0]
+        if not sources:
+            memo[current] = False  # a placeholder, variable, iterator: data
+            stack.pop()
+            continue
+        pending = [src for src in sources if src not in memo]
+        if pending:
+            stack.extend(pending)
+            continue
+        memo[current] = all(memo[src] for src in sources)
+        stack.pop()
+    return memo[name]

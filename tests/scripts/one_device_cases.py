@@ -1,0 +1,190 @@
+"""One-device programs that are not multi-tower, each trained a few steps the usual way.
+
+`python one_device_cases.py OUT.npz [CASE ...]` builds every case (or those named) in a graph of
+its own, trains it with its own session and writes every variable to OUT.npz as CASE/variable.
+Under `bnrewrite run` each graph must run exactly as under python (issue 38): layers of one model,
+two streams, a Siamese net, a GAN, an encoder/decoder, a mean teacher, a Keras Sequential's fit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # tf.compat.v1.layers on TF >= 2.16
+warnings.filterwarnings("ignore", category=UserWarning)  # tf.layers is deprecated
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_keras as keras  # noqa: E402
+
+tf1 = tf.compat.v1
+tf1.disable_eager_execution()
+tf.config.experimental.enable_op_determinism()
+
+STEPS = 3
+#: One thread: a network applied twice updates its moving averages twice per step, in an order
+#: that only a single-threaded executor makes the same from run to run.
+CONFIG = tf1.ConfigProto(inter_op_parallelism_threads=1, intra_op_parallelism_threads=1)
+BATCH = 4
+layers = tf1.layers
+
+
+def _images(seed: int, channels: int = 3) -> np.ndarray:
+    return np.random.RandomState(seed).normal(1.0, 2.0, (STEPS, BATCH, 6, 6, channels)).astype(np.float32)
+
+
+def _block(x: tf.Tensor, filters: int, name: str | None = None) -> tf.Tensor:
+    """conv -> batch norm (training) -> ReLU, with the layers' default names unless `name`."""
+    with tf1.variable_scope(name) if name else contextlib.nullcontext():
+        x = layers.conv2d(x, filters, 3, padding="same", use_bias=False)
+        return tf.nn.relu(layers.batch_normalization(x, training=True))
+
+
+def _train(loss: tf.Tensor, feeds: list[tuple[tf.Tensor, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Momentum on `loss` with UPDATE_OPS in the train op, STEPS steps in a plain Session loop."""
+    updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+    with tf.control_dependencies(updates):
+        train_op = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+    init = tf1.global_variables_initializer()
+    with tf1.Session(config=CONFIG) as sess:
+        sess.run(init)
+        for step in range(STEPS):
+            sess.run(train_op, {p: value[step] for p, value in feeds})
+        return dict(zip([v.op.name for v in tf1.global_variables()], sess.run(tf1.global_variables())))
+
+
+def two_plain_layers() -> dict[str, np.ndarray]:
+    """The plainest one-GPU trainer: two unscoped tf.layers batch norms, one after the other."""
+    images = tf1.placeholder(tf.float32, [BATCH, 6, 6, 3])
+    labels = tf1.placeholder(tf.int32, [BATCH])
+    x = _block(_block(images, 4), 4)
+    logits = layers.dense(tf1.layers.flatten(x), 3)
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits)
+    return _train(loss, [(images, _images(1)), (labels, np.arange(STEPS * BATCH).reshape(STEPS, BATCH) % 3)])
+
+
+def named_layers() -> dict[str, np.ndarray]:
+    """Layers named bn1 and bn2 at the top level."""
+    images = tf1.placeholder(tf.float32, [BATCH, 6, 6, 3])
+    x = tf.nn.relu(layers.batch_normalization(layers.conv2d(images, 4, 3, use_bias=False), training=True, name="bn1"))
+    x = tf.nn.relu(layers.batch_normalization(layers.conv2d(x, 4, 3, use_bias=False), training=True, name="bn2"))
+    return _train(tf.reduce_mean(tf.square(x - 0.5)), [(images, _images(2))])
+
+
+def two_streams() -> dict[str, np.ndarray]:
+    """rgb/ and flow/ sub-networks with their own variables, fused at the head."""
+    rgb = tf1.placeholder(tf.float32, [BATCH, 6, 6, 3])
+    flow = tf1.placeholder(tf.float32, [BATCH, 6, 6, 2])
+    features = []
+    for x, scope in ((rgb, "rgb"), (flow, "flow")):
+        with tf1.variable_scope(scope):
+            features.append(tf.reduce_mean(_block(_block(x, 4, "a"), 4, "b"), [1, 2]))
+    logits = layers.dense(tf.concat(features, 1), 2)
+    return _train(tf.reduce_mean(tf.square(logits - 1.0)), [(rgb, _images(3)), (flow, _images(4, 2))])
+
+
+def siamese() -> dict[str, np.ndarray]:
+    """One network applied to two batches (its variable scope re-entered with reuse), a contrastive loss."""
+    left = tf1.placeholder(tf.float32, [BATCH, 6, 6, 3])
+    right = tf1.placeholder(tf.float32, [BATCH, 6, 6, 3])
+    outputs = []
+    for x in (left, right):
+        with tf1.variable_scope("net", reuse=tf1.AUTO_REUSE):
+            outputs.append(tf.reduce_mean(_block(_block(x, 4, "a"), 4, "b"), [1, 2]))
+    loss = tf.reduce_mean(tf.square(outputs[0] - outputs[1]) - 0.1 * tf.abs(outputs[0]))
+    return _train(loss, [(left, _images(5)), (right, _images(6))])
+
+
+def gan() -> dict[str, np.ndarray]:
+    """A generator with batch norm feeding a discriminator applied to real and generated images."""
+    real = tf1.placeholder(tf.float32, [BATCH, 6, 6, 3])
+    noise = tf1.placeholder(tf.float32, [BATCH, 6, 6, 3])
+
+    def discriminator(x: tf.Tensor) -> tf.Tensor:
+        with tf1.variable_scope("discriminator", reuse=tf1.AUTO_REUSE):
+            return layers.dense(tf.reduce_mean(_block(_block(x, 4, "a"), 4, "b"), [1, 2]), 1)
+
+    with tf1.variable_scope("generator"):
+        fake = layers.conv2d(_block(noise, 4, "a"), 3, 3, padding="same")
+    real_logits, fake_logits = discriminator(real), discriminator(fake)
+    xent = tf.nn.sigmoid_cross_entropy_with_logits
+    d_loss = tf.reduce_mean(xent(labels=tf.ones_like(real_logits), logits=real_logits)) + tf.reduce_mean(
+        xent(labels=tf.zeros_like(fake_logits), logits=fake_logits))
+    g_loss = tf.reduce_mean(xent(labels=tf.ones_like(fake_logits), logits=fake_logits))
+    d_vars = tf1.trainable_variables("discriminator")
+    g_vars = tf1.trainable_variables("generator")
+    with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+        train_op = tf.group(tf1.train.AdamOptimizer(1e-2).minimize(d_loss, var_list=d_vars),
+                            tf1.train.AdamOptimizer(1e-2).minimize(g_loss, var_list=g_vars))
+    with tf1.Session(config=CONFIG) as sess:
+        sess.run(tf1.global_variables_initializer())
+        for step in range(STEPS):
+            sess.run(train_op, {real: _images(7)[step], noise: _images(8)[step]})
+        return dict(zip([v.op.name for v in tf1.global_variables()], sess.run(tf1.global_variables())))
+
+
+def encoder_decoder() -> dict[str, np.ndarray]:
+    """One batch norm under encoder/, one under decoder/."""
+    images = tf1.placeholder(tf.float32, [BATCH, 6, 6, 3])
+    code = _block(images, 4, "encoder")
+    with tf1.variable_scope("decoder"):
+        x = tf.nn.relu(layers.batch_normalization(layers.conv2d_transpose(code, 4, 3, padding="same"), training=True))
+        out = layers.conv2d(x, 3, 1)
+    return _train(tf.reduce_mean(tf.square(out - images)), [(images, _images(9))])
+
+
+def mean_teacher() -> dict[str, np.ndarray]:
+    """student/ and teacher/ copies; the teacher an exponential moving average of the student."""
+    images = tf1.placeholder(tf.float32, [BATCH, 6, 6, 3])
+    noisy = images + tf1.random_normal(tf.shape(images), stddev=0.1, seed=1)
+    outputs = {}
+    for scope, x in (("student", images), ("teacher", noisy)):
+        with tf1.variable_scope(scope):
+            outputs[scope] = layers.dense(tf.reduce_mean(_block(_block(x, 4, "a"), 4, "b"), [1, 2]), 3)
+    consistency = tf.reduce_mean(tf.square(outputs["student"] - tf.stop_gradient(outputs["teacher"])))
+    loss = consistency + tf.reduce_mean(tf.square(outputs["student"] - 1.0))
+    student = tf1.trainable_variables("student")
+    teacher = tf1.trainable_variables("teacher")
+    with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+        step_op = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, var_list=student)
+    with tf.control_dependencies([step_op]):
+        train_op = tf.group(*[t.assign(0.9 * t + 0.1 * s) for s, t in zip(student, teacher)])
+    with tf1.Session(config=CONFIG) as sess:
+        sess.run(tf1.global_variables_initializer())
+        for step in range(STEPS):
+            sess.run(train_op, {images: _images(10)[step]})
+        return dict(zip([v.op.name for v in tf1.global_variables()], sess.run(tf1.global_variables())))
+
+
+def keras_fit() -> dict[str, np.ndarray]:
+    """A tf_keras Sequential with two default-named BatchNormalization layers: compile, then fit."""
+    model = keras.Sequential([
+        keras.layers.Conv2D(4, 3, use_bias=False, input_shape=(6, 6, 3)), keras.layers.BatchNormalization(),
+        keras.layers.ReLU(), keras.layers.Conv2D(4, 3, use_bias=False), keras.layers.BatchNormalization(),
+        keras.layers.ReLU(), keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(3),
+    ])
+    model.compile(keras.optimizers.legacy.SGD(0.1, momentum=0.9), "mse")
+    images = _images(12).reshape(STEPS * BATCH, 6, 6, 3)
+    model.fit(images, np.ones((STEPS * BATCH, 3), np.float32), batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    return {w.name: value for w, value in zip(model.weights, model.get_weights())}
+
+
+CASES = {f.__name__: f for f in (two_plain_layers, named_layers, two_streams, siamese, gan, encoder_decoder,
+                                mean_teacher, keras_fit)}
+
+
+def main(out: str, names: list[str]) -> None:
+    values = {}
+    for name in names or CASES:
+        with tf.Graph().as_default():
+            keras.utils.set_random_seed(0)  # tf.layers' Keras initializers draw from Keras' own seed
+            values.update({f"{name}/{k}": v for k, v in CASES[name]().items()})
+        print(f"case {name}: trained", flush=True)
+    np.savez(out, **values)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,142 @@
+"""One-device programs that are not multi-tower run exactly as under python (issue 38).
+
+tests/scripts/one_device_cases.py builds eight of them the usual ways (two plain tf.layers batch
+norms, layers named bn1/bn2, two streams, a Siamese net, a GAN, an encoder/decoder, a mean
+teacher, a tf_keras Sequential's fit) and trains each a few steps. Run under plain python and
+under `bnrewrite run`, every variable must be bit-identical, with one line per graph saying why
+it runs unchanged; in process the same through `enable()` and `rewrite_graph(g, in_place=True)`;
+`convert` refuses them with the same reason (exit 6). With `--tower-by scope` the user overrides
+the rule: the Siamese net is then synchronized, and trains differently, which shows the rule is
+what keeps the programs as written.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import bnrewrite
+from bnrewrite import rewrite_graph
+from bnrewrite.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "one_device_cases.py")
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT}
+#: Why each case is not towers, as the graph shows it (the line names it).
+WHY = {
+    "two_plain_layers": "batch_normalization/FusedBatchNormV3 feeds batch norm batch_normalization_1/",
+    "named_layers": "bn1/FusedBatchNormV3 feeds batch norm bn2/",
+    "two_streams": "towers flow and rgb take their batch-norm gradients from one gradient computation",
+    "siamese": "towers net and net_1 take their batch-norm gradients from one gradient computation",
+    "gan": "batch norm generator/a/batch_normalization/FusedBatchNormV3 feeds batch norm discriminator_1/",
+    "encoder_decoder": "encoder/batch_normalization/FusedBatchNormV3 feeds batch norm decoder/",
+    "mean_teacher": "tower teacher has no gradient of its own batch norms",
+    "keras_fit": "batch_normalization/cond/_fn_then/FusedBatchNormV3 feeds batch norm batch_normalization_1/",
+}
+#: Moving statistics of a network applied twice per step: two updates of one variable whose order
+#: TensorFlow leaves open, so two plain python runs differ in them too (by float rounding).
+RACED = re.compile(r"^(siamese/net|gan/discriminator)/.*/moving_")
+
+
+def _cases():
+    spec = importlib.util.spec_from_file_location("one_device_cases", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(tmp_path, name: str, under_bnrewrite: bool) -> subprocess.CompletedProcess:
+    head = ["-m", "bnrewrite", "run"] if under_bnrewrite else []
+    out = subprocess.run([sys.executable, *head, SCRIPT, str(tmp_path / f"{name}.npz")], cwd=str(tmp_path), env=ENV,
+                         text=True, capture_output=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> dict[str, np.ndarray]:
+    tmp = tmp_path_factory.mktemp("plain")
+    _run(tmp, "plain", under_bnrewrite=False)
+    return dict(np.load(tmp / "plain.npz"))
+
+
+def _assert_as_python(got: dict[str, np.ndarray], plain: dict[str, np.ndarray], names=None) -> None:
+    expected = {k: v for k, v in plain.items() if names is None or k.split("/", 1)[0] in names}
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        if RACED.match(key):
+            np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+        else:
+            np.testing.assert_array_equal(got[key], value, err_msg=key)
+
+
+def test_run_leaves_one_device_programs_as_python_runs_them(tmp_path, plain):
+    run = _run(tmp_path, "run", under_bnrewrite=True)
+    lines = [line for line in run.stderr.splitlines() if line.startswith("bnrewrite:")]
+    assert len(lines) == len(WHY), lines
+    for number, (line, why) in enumerate(zip(lines, WHY.values()), 1):
+        assert line.startswith(f"bnrewrite: graph {number} runs unchanged: ") and why in line, line
+    _assert_as_python(dict(np.load(tmp_path / "run.npz")), plain)
+
+
+def test_enable_and_in_place_leave_them_as_python_runs_them(plain, capsys, monkeypatch):
+    cases = _cases()
+    names = ["two_plain_layers", "siamese", "mean_teacher"]
+    with bnrewrite.enabled():
+        got = _train(cases, names)
+    lines = capsys.readouterr().err.splitlines()
+    assert [why in line for line, why in zip(lines, (WHY[n] for n in names))] == [True] * len(names), lines
+    _assert_as_python(got, plain, names)
+
+    results = []
+    real_session = tf.compat.v1.Session
+
+    def in_place_then_session(*args, **kwargs):  # the script's rewrite_graph call, just before its session
+        results.append(rewrite_graph(tf.compat.v1.get_default_graph(), in_place=True))
+        return real_session(*args, **kwargs)
+
+    monkeypatch.setattr(tf.compat.v1, "Session", in_place_then_session)
+    names = ["named_layers", "two_streams", "encoder_decoder"]
+    got = _train(cases, names)
+    assert [WHY[n] in r.report.unchanged for r, n in zip(results, names)] == [True] * len(names)
+    assert all(r.report.text().startswith("bnrewrite: runs unchanged: ") for r in results)
+    _assert_as_python(got, plain, names)
+
+
+def _train(cases, names: list[str]) -> dict[str, np.ndarray]:
+    values = {}
+    for name in names:
+        with tf.Graph().as_default():
+            cases.keras.utils.set_random_seed(0)
+            values.update({f"{name}/{k}": v for k, v in cases.CASES[name]().items()})
+    return values
+
+
+def test_convert_refuses_them_with_the_reason_and_tower_by_scope_overrides(tmp_path, plain, capsys):
+    cases = _cases()
+    graph = tf.Graph()
+    with graph.as_default():
+        cases.keras.utils.set_random_seed(0)
+        cases.siamese()
+    with pytest.raises(bnrewrite.NotReplicasError, match=WHY["siamese"]) as refused:
+        rewrite_graph(graph)
+    assert isinstance(refused.value, bnrewrite.NoTowersError) and "\n" not in str(refused.value)
+    source = tmp_path / "siamese.pb"
+    source.write_bytes(graph.as_graph_def().SerializeToString())
+    assert main(["convert", str(source), str(tmp_path / "out.pb")]) == 6
+    error = capsys.readouterr().err.strip()
+    assert WHY["siamese"] in error and "\n" not in error and not (tmp_path / "out.pb").exists()
+    # The user says they are towers: synchronized, and the program trains otherwise (so the rule,
+    # not luck, keeps it as written).
+    assert rewrite_graph(graph, tower_by="scope").report.towers == ["net", "net_1"]
+    with bnrewrite.enabled(tower_by="scope", quiet=True):
+        synced = _train(cases, ["siamese"])
+    moved = max(float(np.abs(synced[k] - plain[k]).max()) for k in synced)
+    assert moved > 1e-3
