@@ -86,9 +86,12 @@ class Shadow:
                 _copy_ops(operations[self.copied:], script_graph, self)
             self.copied = len(operations)
 
-    def refuse_missing(self, names: Iterator[str]) -> None:
+    def refuse_missing(self, names: Iterator[str], fed: bool = False) -> None:
         for name in names:
             if name in self.missing:
+                if fed:
+                    raise RemovedByRewriteError(
+                        f"{name} is not in the synchronized graph, so it cannot be fed: {self.missing[name]}")
                 raise RemovedByRewriteError(
                     f"{name} is not in the synchronized graph: {self.missing[name]}; fetch the train op instead")
 
@@ -97,6 +100,7 @@ class Shadow:
 class _Decision:
     shadow: Shadow | None
     version: int  # the script graph's version when decided
+    in_place: bool = False  # rewrite_graph(g, in_place=True): synchronized whether enable() is on or not
 
 
 @dataclass
@@ -131,8 +135,9 @@ def enable(
 
 
 def disable() -> None:
-    """Sessions created from now on run their graphs as they are. Sessions already created keep
-    what they run; graphs given to `rewrite_graph(g, in_place=True)` stay synchronized."""
+    """Sessions created from now on run their graphs as they are, also graphs enable()
+    synchronized (until enable() again). Sessions already created keep what they run; graphs
+    given to `rewrite_graph(g, in_place=True)` stay synchronized."""
     with _state.lock:
         _state.options = None
 
@@ -162,8 +167,9 @@ def attach(graph: Any, rewrite: Callable[[Any], Any]) -> Any:
     with _state.lock:
         decision = _state.decisions.get(graph)
         if decision is not None and decision.shadow is not None:
-            raise AlreadyRewrittenError("sessions on this graph already run its synchronized graph "
-                                        "(rewrite_graph(g, in_place=True) was called on it before)")
+            cause = ("rewrite_graph(g, in_place=True) was called on it before" if decision.in_place else
+                     f"enable() synchronized it at its first session, graph {decision.shadow.number}")
+            raise AlreadyRewrittenError(f"sessions on this graph already run its synchronized graph ({cause})")
         open_sessions = _open_sessions(graph)
         if open_sessions:
             raise BnRewriteError(
@@ -181,7 +187,7 @@ def attach(graph: Any, rewrite: Callable[[Any], Any]) -> Any:
 
             print(f"bnrewrite: graph runs unchanged: {exc}", file=sys.stderr, flush=True)
             return RewriteResult(graph_def, None, Report(unchanged=str(exc)))
-        _state.decisions[graph] = _Decision(_shadow(count, result), graph.version)
+        _state.decisions[graph] = _Decision(_shadow(count, result), graph.version, in_place=True)
         _install()
         return result
 
@@ -371,6 +377,7 @@ def _patch(module: Any) -> None:
             if shadow.missing:
                 shadow.refuse_missing(op.name for op in target_list)
                 shadow.refuse_missing(t.op.name for t in fetch_list)
+                shadow.refuse_missing((t.deref().op.name for t in feed_dict), fed=True)
             first = shadow.first_step
             if (first is not None and handle is None
                     and first.covers([op.name for op in target_list] + [t.op.name for t in fetch_list])):
@@ -430,17 +437,18 @@ def _default_graph() -> Any:
 
 def _shadow_for(graph: Any, config: Any) -> Shadow | None:
     """The shadow a new session on `graph` runs, deciding (rewriting) at the graph's first
-    session, or again at a later one if it ran unchanged and has grown since; None: as it is."""
+    session, or again at a later one if it ran unchanged and has grown since; None: as it is
+    (also a graph enable() synchronized, while disabled)."""
     from tensorflow.python.framework import ops
 
     if not isinstance(graph, ops.Graph):
         return None
     with _state.lock:
         decision = _state.decisions.get(graph)
-        if decision is not None and (decision.shadow is not None or decision.version == graph.version):
-            return decision.shadow
         options = _state.options
-        if options is None:
+        if decision is not None and decision.shadow is not None:
+            return decision.shadow if decision.in_place or options is not None else None
+        if options is None or (decision is not None and decision.version == graph.version):
             return None
         decision = _decide(graph, config, options)
         _state.decisions[graph] = decision

@@ -40,6 +40,10 @@ def test_enable_trains_like_one_device_and_disable_stops(capsys):
     fresh = build_towers(SPEC)  # decided after disable(): runs as built
     plain = train(fresh.graph, fresh, make_batches(SPEC, STEPS), num_devices=SPEC.towers)
     np.testing.assert_allclose(plain.losses, unrewritten_run(SPEC, STEPS).losses, rtol=1e-6)
+    after = train(built.graph, built, make_batches(SPEC, STEPS), num_devices=SPEC.towers)  # synced while enabled
+    np.testing.assert_allclose(after.losses, unrewritten_run(SPEC, STEPS).losses, rtol=1e-6)
+    with pytest.raises(AlreadyRewrittenError, match=r"already run its synchronized graph \(enable\(\) synchronized it"):
+        rewrite_graph(built.graph, in_place=True)
 
 
 def test_in_place_sessions_run_the_synchronized_graph():
@@ -91,6 +95,9 @@ def test_every_handle_keeps_working(tmp_path):
             sess.run(graph.get_operation_by_name(removed))
         with pytest.raises(RemovedByRewriteError, match="it reads .*the rewrite removed it"):
             sess.run(reads_removed)
+        fed = next(op.outputs[0] for op in (graph.get_operation_by_name(r["node"]) for r in result.report.removed) if op.outputs)
+        with pytest.raises(RemovedByRewriteError, match=f"{fed.op.name} is not in the synchronized graph, so it cannot be fed"):
+            sess.run(loss, {**feed, fed: np.zeros(fed.shape, fed.dtype.as_numpy_dtype)})
         path = saver.save(sess, str(tmp_path / "synced.ckpt"))
         values = sess.run(dict(built.variables))
     plain = build_towers(SPEC)  # the checkpoint restores into the un-rewritten graph, and back

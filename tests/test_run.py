@@ -8,16 +8,19 @@ together (their TensorFlow imports and Supervisor waits overlap).
 
 import json
 import os
+import py_compile
 import signal
 import subprocess
 import sys
 import time
+import zipfile
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from bnrewrite.cli import main
+from model_files import tree_snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
@@ -121,32 +124,137 @@ def test_ctrl_c_during_training_exits_130(tmp_path):
     assert "KeyboardInterrupt" in result.stderr
 
 
-def _probe(tmp_path, *args: str, stdin: str = "") -> tuple[subprocess.CompletedProcess, dict]:
-    result = subprocess.run([sys.executable, "-m", "bnrewrite", "run", *args], cwd=str(tmp_path), env=ENV, text=True,
-                            capture_output=True, input=stdin, timeout=120)
-    seen = json.loads(result.stdout.splitlines()[0]) if result.stdout else {}
-    return result, seen
+def _together(cases: dict[str, tuple[list[str], str, str]], timeout: float = 60) -> dict[str, subprocess.CompletedProcess]:
+    """Run `python ARGS` for every case (name -> (args, cwd, stdin)) at once: a few short
+    processes that do not import TensorFlow, so the batch takes about as long as one."""
+    started = {name: subprocess.Popen([sys.executable, *args], cwd=cwd, env=ENV, text=True, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for name, (args, cwd, _) in cases.items()}
+    done = {}
+    try:
+        for name, process in started.items():
+            out, err = process.communicate(cases[name][2], timeout=timeout)
+            done[name] = subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    finally:  # one that hangs (a FIFO report opened) fails the test, not the run
+        for process in started.values():
+            process.kill()
+    return done
 
 
 def test_script_runs_as_python_would(tmp_path):
-    script = os.path.join(SCRIPTS, "probe.py")
-    result, seen = _probe(tmp_path, "--backend", "local", script, "--backend", "x", "-q", stdin="fed")
-    assert result.returncode == 0, result.stderr
-    assert seen == {"argv": [script, "--backend", "x", "-q"], "name": "__main__", "path0": SCRIPTS,
-                    "cwd": str(tmp_path), "stdin": "fed", "tensorflow_imported": False}
-    assert result.stderr == ""
+    """Each way python runs a program, under python and under bnrewrite run side by side: the
+    same argv (as given), __name__, __file__, sys.path[0], stdin, stdout, stderr (tracebacks
+    without bnrewrite's or runpy's frames, a SyntaxError as python shows it) and exit code."""
+    probe = open(os.path.join(SCRIPTS, "probe.py"), encoding="utf-8").read()
+    (tmp_path / "probe.py").write_text(probe)
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__main__.py").write_text(probe)
+    with zipfile.ZipFile(tmp_path / "app.zip", "w") as archive:
+        archive.writestr("__main__.py", probe)
+    (tmp_path / "bad.py").write_text("x = 1\ndef (\n")
+    py_compile.compile(str(tmp_path / "probe.py"), str(tmp_path / "compiled.pyc"), doraise=True)
+    (tmp_path / "nomain").mkdir()
+    ways = {
+        "relative": (["probe.py", "--backend", "x", "-q"], "fed"), "directory": (["app", "exit:3"], ""),
+        "zip": (["app.zip"], ""), "stdin": (["-", "a"], probe), "syntax error": (["bad.py"], ""),
+        "raises": (["probe.py", "raise"], ""), "module": (["-m", "probe", "exit:4"], ""), "pyc": (["compiled.pyc"], ""),
+        "no module": (["-m", "nosuch"], ""), "no __main__": (["nomain"], ""),
+    }
+    cwd = str(tmp_path)
+    cases = {}
+    for way, (args, stdin) in ways.items():
+        cases[f"python {way}"] = (args, cwd, stdin)
+        options = ["--backend", "local"] if way == "relative" else []  # run's own, before SCRIPT
+        cases[way] = (["-m", "bnrewrite", "run", *options, *args], cwd, stdin)
+    done = _together(cases)
+    for way in ways:
+        python, run = done[f"python {way}"], done[way]
+        assert run.returncode == python.returncode, (way, run.stderr)
+        if way in ("no module", "no __main__"):  # the message python gives, as bnrewrite's one line
+            assert python.stderr.startswith(sys.executable + ": ")
+            message = python.stderr[len(sys.executable) + 2:].strip()
+            assert run.stderr == f"bnrewrite: error: {'-m nosuch: ' if way == 'no module' else ''}{message}\n", way
+            continue
+        assert (run.stdout, run.stderr) == (python.stdout, python.stderr), way
+    seen = json.loads(done["relative"].stdout)
+    assert seen == {"argv": ["probe.py", "--backend", "x", "-q"], "name": "__main__", "file": str(tmp_path / "probe.py"),
+                    "path0": cwd, "cwd": cwd, "stdin": "fed", "tensorflow_imported": False}
+    assert json.loads(done["stdin"].stdout)["file"] == "<stdin>" and json.loads(done["zip"].stdout)["argv"] == ["app.zip"]
+    assert done["raises"].stderr.startswith('Traceback (most recent call last):\n  File "' + str(tmp_path / "probe.py"))
+    assert done["syntax error"].stderr.startswith(f'  File "{tmp_path / "bad.py"}", line 2') and done["relative"].stderr == ""
 
 
-def test_module_and_exit_codes(tmp_path):
-    (tmp_path / "probe.py").write_text(open(os.path.join(SCRIPTS, "probe.py"), encoding="utf-8").read())
-    result, seen = _probe(tmp_path, "-m", "probe", "exit:3")
-    assert result.returncode == 3 and seen["name"] == "__main__" and seen["path0"] == str(tmp_path)
-    assert seen["argv"] == [str(tmp_path / "probe.py"), "exit:3"]
-    result, _ = _probe(tmp_path, "probe.py", "raise")
-    assert result.returncode == 1
-    assert result.stderr.startswith("Traceback (most recent call last):\n  File \"" + str(tmp_path / "probe.py"))
-    assert result.stderr.rstrip().endswith("ValueError: the script's own error")
-    assert "runpy" not in result.stderr and "bnrewrite" not in result.stderr
+def _scene(path, *, script: str = "", files: dict[str, str] | None = None) -> str:
+    """A directory holding script s.py and `files`; returns it."""
+    path.mkdir()
+    (path / "s.py").write_text(script)
+    for name, text in (files or {}).items():
+        (path / name).parent.mkdir(exist_ok=True)
+        (path / name).write_text(text)
+    return str(path)
+
+
+def test_report_is_checked_before_the_script_starts(tmp_path):
+    """An output problem is exit 10, one line, before the script runs (it would write `ran`),
+    with nothing written: through a link, over the script itself, a FIFO (which would block),
+    a directory, a device, a missing directory, all with --force."""
+    ran = "open('ran', 'w').close()\n"
+    scenes = {name: _scene(tmp_path / name.replace(" ", "_"), script=ran, files={"mine.json": "mine"})
+              for name in ("link", "script", "fifo", "directory", "device", "missing directory")}
+    os.symlink("mine.json", os.path.join(scenes["link"], "link.json"))
+    os.mkfifo(os.path.join(scenes["fifo"], "fifo"))
+    os.mkdir(os.path.join(scenes["directory"], "out"))
+    report = {"link": "link.json", "script": "s.py", "fifo": "fifo", "directory": "out", "device": "/dev/full",
+              "missing directory": "nowhere/r.json"}
+    before = {name: tree_snapshot(scene) for name, scene in scenes.items()}
+    done = _together({name: (["-m", "bnrewrite", "run", "--report", report[name], "--force", "s.py"], scene, "")
+                      for name, scene in scenes.items()})
+    for name, result in done.items():
+        assert result.returncode == 10, (name, result.stderr)
+        assert result.stderr.startswith(f"bnrewrite: error: ") and result.stderr.count("\n") == 1, (name, result.stderr)
+        assert tree_snapshot(scenes[name]) == before[name], name  # the script did not run; nothing written
+    assert "is the input" in done["script"].stderr and "a symbolic link to mine.json" in done["link"].stderr
+    assert "a FIFO" in done["fifo"].stderr and "a character device" in done["device"].stderr
+
+
+def test_report_is_written_where_and_however_the_script_ends(tmp_path):
+    """The report's path is taken before the script changes directory; an existing report is
+    replaced with --force; a report the script made itself meanwhile is kept, and the script's
+    exit code with it (10 if it exited 0); SIGTERM and SIGHUP write it, then end the process
+    as the signal does."""
+    scenes = {
+        "chdir": _scene(tmp_path / "chdir", script="import os\nos.chdir('sub')\n", files={"sub/r.json": "mine"}),
+        "force": _scene(tmp_path / "force", files={"r.json": "old"}),
+        "taken, exit 3": _scene(tmp_path / "taken3", script="open('r.json', 'w').write('its')\nraise SystemExit(3)\n"),
+        "taken, exit 0": _scene(tmp_path / "taken0", script="open('r.json', 'w').write('its')\n"),
+        "SIGTERM": _scene(tmp_path / "term", script="import time\nprint('ready', flush=True)\ntime.sleep(60)\n"),
+        "SIGHUP": _scene(tmp_path / "hup", script="import time\nprint('ready', flush=True)\ntime.sleep(60)\n"),
+    }
+    started = {}
+    for name, scene in scenes.items():
+        force = ["--force"] if name == "force" else []
+        started[name] = _start(["-m", "bnrewrite", "run", "--report", "r.json", *force, "s.py"], scene)
+    for name in ("SIGTERM", "SIGHUP"):
+        assert started[name].stdout.readline() == "ready\n"
+        started[name].send_signal(getattr(signal, name))
+    done = {name: _finish(process, timeout=60) for name, process in started.items()}
+
+    def report(name: str) -> dict:
+        with open(os.path.join(scenes[name], "r.json"), encoding="utf-8") as handle:
+            return json.load(handle)
+
+    assert done["chdir"].returncode == 0 and report("chdir")["command"] == "run"
+    assert open(os.path.join(scenes["chdir"], "sub", "r.json"), encoding="utf-8").read() == "mine"
+    assert done["force"].returncode == 0 and report("force")["graphs"] == []
+    for name, code in (("taken, exit 3", 3), ("taken, exit 0", 10)):
+        assert done[name].returncode == code, done[name].stderr
+        assert "r.json already exists" in done[name].stderr and done[name].stderr.count("\n") == 1
+        assert open(os.path.join(scenes[name], "r.json"), encoding="utf-8").read() == "its"
+    for name in ("SIGTERM", "SIGHUP"):
+        assert done[name].returncode == -getattr(signal, name), done[name].stderr
+        assert report(name)["command"] == "run"
+    for scene in scenes.values():
+        assert not [n for n in os.listdir(scene) if n.startswith(".bnrewrite-")]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -172,4 +280,4 @@ def test_existing_report_is_not_replaced_without_force(tmp_path, monkeypatch, ca
     (tmp_path / "s.py").write_text("print('ran')\n")
     assert main(["run", "--report", "r.json", "s.py"]) == 10
     assert (tmp_path / "r.json").read_text() == "mine"
-    assert "--report r.json exists" in capsys.readouterr().err
+    assert "--report r.json already exists" in capsys.readouterr().err

@@ -99,14 +99,16 @@ examples:
   bnrewrite run --verify train.py --num_gpus 4
   bnrewrite run -m trainer.main --config cfg.yaml
 
-SCRIPT runs exactly as `python SCRIPT ARGS` would (argv, __main__, sys.path[0], its exit
-code, tracebacks, Ctrl-C as 130); everything after SCRIPT is the script's. Each session it
-creates (tf.compat.v1.Session, InteractiveSession, Supervisor, MonitoredTrainingSession,
-tf_slim.learning.train, ...) on a graph with multi-tower training batch norm runs the
-synchronized graph; the script's graph, handles, savers and checkpoints stay as they were.
-Graphs with nothing to synchronize (inference, one tower, already rewritten) run unchanged
-with a note; a graph bnrewrite refuses stops the script before its first step with the
-error's exit code, unless --allow-unsynced.
+SCRIPT (a file, a directory or zip file with __main__.py, or - for stdin) runs exactly as
+`python SCRIPT ARGS` would (argv, __main__, sys.path[0], its exit code, tracebacks, Ctrl-C as
+130); everything after SCRIPT is the script's. Each session it creates (tf.compat.v1.Session,
+InteractiveSession, Supervisor, MonitoredTrainingSession, tf_slim.learning.train, ...) on a
+graph with multi-tower training batch norm runs the synchronized graph; the script's graph,
+handles, savers and checkpoints stay as they were. Graphs with nothing to synchronize
+(inference, one tower, already rewritten) run unchanged with a note; a graph bnrewrite refuses
+stops the script before its first step with the error's exit code, unless --allow-unsynced.
+--report follows the rule of convert's outputs: checked before the script starts (exit 10),
+written atomically when it ends, also on SIGTERM and SIGHUP.
 """
 
 INSPECT_EPILOG = """\
@@ -230,8 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--verify", action="store_true",
                      help="check the first step of each synchronized graph layer by layer (global moments, every tower's "
                           "output, moving statistics updated once); a failure stops the script with exit 12")
-    run.add_argument("--report", metavar="FILE.json", help="write every graph's outcome and report to FILE.json at the end")
-    run.add_argument("--force", action="store_true", help="replace --report's file if it exists")
+    run.add_argument("--report", metavar="FILE.json", help="write every graph's outcome and report to FILE.json when the script ends (also on SIGTERM, SIGHUP)")
+    run.add_argument("--force", action="store_true", help="replace --report's file if it exists and is a regular file")
     _verbosity(run)
     run.set_defaults(func=cmd_run, script_argv=[])
     verify = sub.add_parser(

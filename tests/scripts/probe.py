@@ -5,8 +5,8 @@ import json
 import os
 import sys
 
-print(json.dumps({"argv": sys.argv, "name": __name__, "path0": sys.path[0], "cwd": os.getcwd(),
-                  "stdin": sys.stdin.read(), "tensorflow_imported": "tensorflow" in sys.modules}))
+print(json.dumps({"argv": sys.argv, "name": __name__, "file": globals().get("__file__"), "path0": sys.path[0],
+                  "cwd": os.getcwd(), "stdin": sys.stdin.read(), "tensorflow_imported": "tensorflow" in sys.modules}))
 sys.stdout.flush()
 what = sys.argv[1] if len(sys.argv) > 1 else ""
 if what == "raise":
