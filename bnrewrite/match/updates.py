@@ -22,6 +22,10 @@ _ARITHMETIC = frozenset({
 _MAX_DEPTH = 16
 #: Functional control flow: the functions of these ops are not searched for updates.
 _FUNCTIONAL = IF_OPS | frozenset({"Case", "StatelessCase", "While", "StatelessWhile"})
+#: ... of which these hold no stateful op, so no write of a variable (TensorFlow builds them so).
+_STATELESS = frozenset({"StatelessIf", "StatelessCase", "StatelessWhile"})
+#: Prefixes of the ops that write a variable's elements in place.
+_SCATTER_PREFIXES = ("Scatter", "ResourceScatter", "ResourceStridedSliceAssign", "StridedSliceAssign")
 _FOLLOWED = ASSIGN_OPS | _ARITHMETIC | _FUNCTIONAL
 
 
@@ -30,7 +34,8 @@ def find_updates(graph: Graph, statistics: list[tuple[str, int, str]]) -> tuple[
     also through the value an update leaves (the output of a ref-variable assign, or a read
     that waits on a resource-variable assign): batch renormalization sets moving_variance from
     moving_stddev once that is updated. Also the functional control-flow ops the statistics
-    enter on the way, whose functions may hold updates this search cannot see."""
+    enter on the way whose functions may write a variable (an update this search cannot see);
+    one that only reads them (a summary's tf.nn.zero_fraction cond) is no obstacle."""
     found: dict[str, Update] = {}
     opaque: set[str] = set()
     for site, output, statistic in statistics:
@@ -61,12 +66,51 @@ def _updates_from(
                         found[consumer.name] = Update(consumer.name, variable, statistic)
                         new.append(consumer.name)
                 elif consumer.op in _FUNCTIONAL:
-                    opaque.add(consumer.name)
+                    if may_write_variables(graph, consumer):
+                        opaque.add(consumer.name)
                 elif consumer.op in _ARITHMETIC and consumer.name not in seen:
                     seen.add(consumer.name)
                     nxt.extend((consumer.name, i) for i in range(2 if consumer.op == "Switch" else 1))
         frontier = nxt
     return new
+
+
+def may_write_variables(graph: Graph, node: object) -> bool:
+    """Whether a functional op's functions (and the functions they call) hold an op that can
+    write a variable: an assign, an optimizer's update, a scatter, or an op it cannot look into."""
+    if node.op in _STATELESS:
+        return False
+    library = {f.signature.name: f for f in graph.library.function} if graph.library is not None else {}
+    pending, seen = _functions_of(node), set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name not in library:
+            return True  # a function the graph does not hold: nothing says it writes nothing
+        for inner in library[name].node_def:
+            if _writes(inner.op):
+                return True
+            if inner.op in library:
+                pending.append(inner.op)
+            if inner.op not in _STATELESS:
+                pending.extend(_functions_of(inner))
+    return False
+
+
+def _functions_of(node: object) -> list[str]:
+    """The names of the functions a node's attrs name (branches, bodies, called functions)."""
+    names = []
+    for value in node.attr.values():
+        if value.HasField("func"):
+            names.append(value.func.name)
+        names.extend(f.name for f in value.list.func)
+    return names
+
+
+def _writes(op: str) -> bool:
+    return op in ASSIGN_OPS or op.startswith(_APPLY_PREFIXES) or op.startswith(_SCATTER_PREFIXES)
 
 
 def writers(graph: Graph) -> dict[str, str]:
