@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from bnrewrite import live
+from bnrewrite import children, live
 from bnrewrite.cli.output import INTERRUPTED, USAGE, print_error
 from bnrewrite.errors import BnRewriteError, OutputError
 
@@ -55,10 +55,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         return USAGE
     if args.report and os.path.lexists(args.report) and not args.force:
         raise OutputError(f"--report {args.report} exists; choose another path or add --force to replace it")
-    live.enable(backend=args.backend, tower_by=args.tower_by, group_size=args.group_size,
-                timeout_seconds=args.timeout, num_workers=args.workers, task_index=args.task_index or 0,
-                allow_unsynced=args.allow_unsynced, quiet=args.quiet, verbose=args.verbose, verify=args.verify,
-                exit_on_refusal=True)
+    options = dict(backend=args.backend, tower_by=args.tower_by, group_size=args.group_size,
+                   timeout_seconds=args.timeout, num_workers=args.workers, task_index=args.task_index or 0,
+                   allow_unsynced=args.allow_unsynced, quiet=args.quiet, verbose=args.verbose, verify=args.verify,
+                   exit_on_refusal=True)
+    live.enable(**options)
+    children.follow(options)  # multiprocessing 'spawn' children run with the same options
     try:
         return _run_script(args)
     finally:
