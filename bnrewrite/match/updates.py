@@ -34,8 +34,8 @@ def find_updates(graph: Graph, statistics: list[tuple[str, int, str]]) -> tuple[
     also through the value an update leaves (the output of a ref-variable assign, or a read
     that waits on a resource-variable assign): batch renormalization sets moving_variance from
     moving_stddev once that is updated. Also the functional control-flow ops the statistics
-    enter on the way whose functions may write a variable (an update this search cannot see);
-    one that only reads them (a summary's tf.nn.zero_fraction cond) is no obstacle."""
+    enter on the way that may hide an update this search cannot see (_may_hide_updates); one
+    that only reads them (a summary's tf.nn.zero_fraction cond) is no obstacle."""
     found: dict[str, Update] = {}
     opaque: set[str] = set()
     for site, output, statistic in statistics:
@@ -45,11 +45,22 @@ def find_updates(graph: Graph, statistics: list[tuple[str, int, str]]) -> tuple[
             starts = [(update, 0) for update in new] + [
                 (read, 0) for update in new for read in graph.consumers.get(update, ())
                 if graph.node(read).op == "ReadVariableOp" and f"^{update}" in graph.node(read).input]
-    return tuple(sorted(found.values(), key=lambda u: u.node)), tuple(sorted(opaque))
+    return tuple(sorted(found.values(), key=lambda u: u.node)), tuple(sorted(o for o in opaque if _may_hide_updates(graph, o)))
+
+
+def _may_hide_updates(graph: Graph, functional: str) -> bool:
+    """Whether moving-average updates may lie inside or beyond a functional op the statistics
+    enter: its functions may write a variable, or an assign (or another functional op) is a few
+    elementwise ops after one of its outputs (batch renormalization's cond v2). A cond whose
+    outputs feed no update (a summary's tf.nn.zero_fraction) hides none."""
+    if may_write_variables(graph, graph.node(functional)):
+        return True
+    beyond: set[str] = set()
+    return bool(_updates_from(graph, [(functional, None)], "", {}, beyond)) or bool(beyond)
 
 
 def _updates_from(
-    graph: Graph, starts: list[tuple[str, int]], statistic: str, found: dict[str, Update], opaque: set[str],
+    graph: Graph, starts: list[tuple[str, int | None]], statistic: str, found: dict[str, Update], opaque: set[str],
 ) -> list[str]:
     """Add to `found` the assign ops a few elementwise ops away from `starts` (and to `opaque`
     the functional ops met); the new updates."""
@@ -66,8 +77,7 @@ def _updates_from(
                         found[consumer.name] = Update(consumer.name, variable, statistic)
                         new.append(consumer.name)
                 elif consumer.op in _FUNCTIONAL:
-                    if may_write_variables(graph, consumer):
-                        opaque.add(consumer.name)
+                    opaque.add(consumer.name)
                 elif consumer.op in _ARITHMETIC and consumer.name not in seen:
                     seen.add(consumer.name)
                     nxt.extend((consumer.name, i) for i in range(2 if consumer.op == "Switch" else 1))

@@ -93,8 +93,9 @@ def build(towers: int, batch: int, dtype: tf.DType, tower_fn) -> tuple[list, tf.
             inputs.append((images, labels))
             losses.append(loss)
             grads.append(optimizer.compute_gradients(loss))
-    averaged = [(tf.add_n([g for g, _ in pairs]) / towers, pairs[0][1]) for pairs in zip(*grads)]
-    train = tf.group(optimizer.apply_gradients(averaged), *tf1.get_collection(tf1.GraphKeys.UPDATE_OPS))
+    averaged = [(tf.add_n([g for g, _ in pairs]) / towers, pairs[0][1]) for pairs in zip(*grads) if pairs[0][0] is not None]
+    scope = tf1.get_default_graph().get_name_scope()  # this model's updates only, when a graph holds two
+    train = tf.group(optimizer.apply_gradients(averaged), *tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, scope))
     return inputs, tf.add_n(losses) / towers, tf1.get_collection(tf1.GraphKeys.SUMMARIES), train
 
 
