@@ -22,6 +22,7 @@ from bnrewrite.errors import (
     PassError,
     RemovedByRewriteError,
     TowerMismatchError,
+    UnsyncedLayerError,
 )
 
 __version__ = "0.1.0"
@@ -43,6 +44,7 @@ __all__ = [
     "RemovedByRewriteError",
     "RewriteResult",
     "TowerMismatchError",
+    "UnsyncedLayerError",
     "check",
     "disable",
     "enable",

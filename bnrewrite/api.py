@@ -21,6 +21,7 @@ from bnrewrite.errors import (
     BnRewriteError,
     InferenceOnlyError,
     NoBatchNormError,
+    UnsyncedLayerError,
 )
 from bnrewrite.graph import Graph, copy_fields, tensor_name
 from bnrewrite.match.sites import Census, Site, normalization, scan
@@ -141,6 +142,7 @@ def rewrite_graph(
     if_rewritten: str = "error",
     in_place: bool = False,
     available_gpus: int | None = None,
+    allow_unsynced: bool = False,
 ) -> RewriteResult:
     """Synchronize batch norm across the towers of a replicated training graph.
 
@@ -166,8 +168,13 @@ def rewrite_graph(
     in_place: rewrite the GraphDef or MetaGraphDef given and return it in the result instead
         of a copy, which saves the memory of one copy of the graph; if the rewrite fails, it
         is left as it was.
+    allow_unsynced: a training batch-norm layer that cannot be synchronized (report.skipped says
+        why) makes the rewrite raise UnsyncedLayerError, as the towers would not train like one
+        device; with True the other layers are synchronized and those left as they were.
     """
     check_arguments(backend, tower_by, group_size, timeout_seconds, num_workers, task_index, if_rewritten, in_place)
+    if not isinstance(allow_unsynced, bool):
+        raise BnRewriteError(f"allow_unsynced={allow_unsynced!r} is not valid; give True or False")
     options = Options(
         backend=backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds,
         num_workers=num_workers, task_index=task_index, available_gpus=available_gpus,
@@ -179,12 +186,12 @@ def rewrite_graph(
         return live.attach(graph, lambda graph_def: rewrite_graph(
             graph_def, backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds,
             num_workers=num_workers, task_index=task_index, if_rewritten=if_rewritten, in_place=True,
-            available_gpus=gpus))
+            available_gpus=gpus, allow_unsynced=allow_unsynced))
     graph_def, meta, storage = _as_protos(graph, in_place)
     undo = _Undo(graph_def if storage is graph_def and in_place else None, len(graph_def.node))
     try:
         with _gc_paused():
-            result = _rewrite(graph_def, meta, storage, options, if_rewritten, undo)
+            result = _rewrite(graph_def, meta, storage, options, if_rewritten, undo, allow_unsynced)
         return result  # inside the try: an exception up to the return itself is undone
     except BaseException:
         with _signals_held():
@@ -194,7 +201,7 @@ def rewrite_graph(
 
 def _rewrite(
     graph_def: graph_pb2.GraphDef, meta: meta_graph_pb2.MetaGraphDef | None, storage: graph_pb2.GraphDef,
-    options: Options, if_rewritten: str, undo: _Undo,
+    options: Options, if_rewritten: str, undo: _Undo, allow_unsynced: bool = False,
 ) -> RewriteResult:
     model = Graph.from_graph_def(graph_def, storage=storage)
     model.validate()  # a dangling input or a cycle in the input is the input's fault, not a pass's
@@ -222,6 +229,13 @@ def _rewrite(
             + (f" ({len(census.skips)} unsupported: {census.skips[0].reason})" if census.skips else "")
         )
     plan = plan_without_shared_body_updates(combined, census, options)
+    skips = [*census.skips, *plan.towers.skips]
+    if skips and not allow_unsynced:
+        raise UnsyncedLayerError(
+            f"{len(skips)} training batch-norm op(s) of the {len(plan.towers.ids)} towers cannot be synchronized, so "
+            f"the towers would not train like one device: {skips[0].node}: {skips[0].reason}"
+            + (f" (and {', '.join(s.node for s in skips[1:4])}{', ...' if len(skips) > 4 else ''})" if skips[1:] else "")
+            + "; allow_unsynced synchronizes the others and leaves these as they are")
     before = meaning.effects(combined, meaning.gradient_ops(plan))
     rewritten, records = run_passes(combined, plan)
     meaning.check_meaning(before, rewritten, plan, {name for r in records for name, _ in r.removed})

@@ -59,6 +59,14 @@ class TowerMismatchError(BnRewriteError):
     exit_code = 7
 
 
+class UnsyncedLayerError(TowerMismatchError):
+    """A training batch-norm layer of a multi-tower graph cannot be synchronized (it does not
+    line up, or sits where the rewrite cannot reach): the towers would not train like one
+    device, so the graph is refused as a whole unless allow_unsynced / --allow-unsynced.
+
+    A TowerMismatchError (same exit code, 7): some layer does not line up across the towers."""
+
+
 class AlreadyRewrittenError(BnRewriteError):
     """The graph already carries bnrewrite's synchronized batch norm."""
 

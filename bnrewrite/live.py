@@ -39,11 +39,15 @@ from bnrewrite.errors import (
     NoBatchNormError,
     NoTowersError,
     RemovedByRewriteError,
+    UnsyncedLayerError,
 )
 
 SESSION_MODULE = "tensorflow.python.client.session"
 #: What makes a graph run unchanged rather than refused: there is nothing to synchronize.
 NOTHING_TO_SYNC = (NoBatchNormError, InferenceOnlyError, AlreadyRewrittenError, NoTowersError)
+#: Op types that can make (or hold, in their functions) a training batch-norm layer: a graph that
+#: gains one after it was decided is looked at again.
+MAY_HOLD_BATCH_NORM = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "Mean", "If", "StatelessIf"})
 
 
 @dataclass(frozen=True)
@@ -74,17 +78,22 @@ class Shadow:
     first_step: Any = None  # a FirstStep while the first step is to be checked
     operations: dict[str, Any] | None = None  # name -> TF_Operation of the shadow, made at the first copy
     lock: threading.Lock = field(default_factory=threading.Lock)
+    layers: set[str] = field(default_factory=set)  # the batch-norm sites the rewrite synchronized or skipped
 
     def catch_up(self, script_graph: Any) -> None:
         """Copy the ops added to `script_graph` since the last call; an op that reads a missing
-        node is not copied and becomes missing too."""
+        node is not copied and becomes missing too. New training batch-norm layers (a second
+        model built after the session) would run unsynchronized: refused (_late_layers)."""
         if script_graph.version == self.copied:
             return
         with script_graph._session_run_lock(), self.lock:  # no op of the script's is half made meanwhile
             operations = script_graph.get_operations()
-            if len(operations) > self.copied:
-                _copy_ops(operations[self.copied:], script_graph, self)
+            new = operations[self.copied:]
+            if new:
+                _copy_ops(new, script_graph, self)
             self.copied = len(operations)
+        if any(op.type in MAY_HOLD_BATCH_NORM for op in new):
+            _late_layers(script_graph, self)
 
     def refuse_missing(self, names: Iterator[str], fed: bool = False) -> None:
         for name in names:
@@ -101,6 +110,39 @@ class _Decision:
     shadow: Shadow | None
     version: int  # the script graph's version when decided
     in_place: bool = False  # rewrite_graph(g, in_place=True): synchronized whether enable() is on or not
+
+
+def _late_layers(script_graph: Any, shadow: Shadow) -> None:
+    """Refuse (or with allow_unsynced, warn once about) training batch-norm layers added to a
+    graph after its session was synchronized: nothing copies them synchronized into the shadow."""
+    from bnrewrite.api import take_census
+    from bnrewrite.graph import Graph
+
+    _, _, census = take_census(Graph.from_graph_def(script_graph.as_graph_def()))
+    new = sorted(({s.name for s in census.sites} | {s.node for s in census.skips}) - shadow.layers)
+    if new:
+        shadow.layers.update(new)
+        _late_refusal(shadow.number, shadow.options, UnsyncedLayerError(
+            f"{len(new)} training batch-norm op(s) were added after its session was synchronized and would train "
+            f"unsynchronized ({', '.join(new[:3])}{', ...' if len(new) > 3 else ''}): build every model before the "
+            "first session.run, or give each model a graph of its own"))
+
+
+def _late_refusal(number: int, options: LiveOptions, exc: BnRewriteError) -> None:
+    """A graph found wanting after steps may have run: a warning with allow_unsynced, else the
+    error (printed, and the script stopped with its code, under `bnrewrite run`)."""
+    with _state.lock:
+        for record in _state.records:
+            if record["graph"] == number:
+                record["why"] = str(exc)
+    if options.allow_unsynced:
+        print(f"bnrewrite: warning: graph {number}: {exc} (--allow-unsynced: they run UNSYNCHRONIZED)",
+              file=sys.stderr, flush=True)
+        return
+    if options.exit_on_refusal:
+        print(f"bnrewrite: error: graph {number} refused, the script is stopped: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(exc.exit_code)
+    raise exc
 
 
 @dataclass
@@ -216,7 +258,8 @@ def _shadow(count: int, result: Any, number: int = 0, options: LiveOptions | Non
         _import(shadow_graph, result.graph_def.SerializeToString(), {}, {})
     removed = {r["node"]: f"the rewrite removed it ({r['why']})" for r in result.report.removed}
     functions = {f.signature.name for f in result.graph_def.library.function}
-    return Shadow(shadow_graph, count, removed, functions, number, options, first_step)
+    layers = {site for row in result.report.layers for site in row.sites} | {s["node"] for s in result.report.skipped}
+    return Shadow(shadow_graph, count, removed, functions, number, options, first_step, layers=layers)
 
 
 def _import(graph: Any, graph_def: bytes, inputs: dict[str, tuple[Any, int]], controls: dict[str, Any],
@@ -356,6 +399,7 @@ def _patch(module: Any) -> None:
         shadow = _shadow_for(script_graph, config)
         if shadow is None:
             init(self, target, graph, config)
+            self._bnrewrite_watch, self._bnrewrite_ran = True, False  # it can still move to a shadow (_late_shadow)
             return
         init(self, target, shadow.graph, config)
         self._graph = script_graph
@@ -372,6 +416,9 @@ def _patch(module: Any) -> None:
     def _do_run(self: Any, handle: Any, target_list: Any, fetch_list: Any, feed_dict: Any, options: Any,
                 run_metadata: Any) -> Any:
         shadow = getattr(self, "_bnrewrite_shadow", None)
+        if shadow is None and getattr(self, "_bnrewrite_watch", False):
+            shadow = _late_shadow(self)
+            self._bnrewrite_ran = True
         if shadow is not None:
             shadow.catch_up(self._graph)
             if shadow.missing:
@@ -387,6 +434,56 @@ def _patch(module: Any) -> None:
 
     base.__init__, base._extend_graph, base._do_run = __init__, _extend_graph, _do_run
     base._bnrewrite_patched = True
+
+
+def _late_shadow(session: Any) -> Shadow | None:
+    """The shadow for a session created on its graph while that held nothing to synchronize, if
+    the graph has gained multi-tower training batch norm since (an InteractiveSession made before
+    the model, Keras' compile before fit): the session moves to it if it has run nothing yet,
+    else it is refused (the variables it initialized would be lost). None: as it is."""
+    graph = session._graph
+    with _state.lock:
+        decision = _state.decisions.get(graph)
+        if decision is None:  # created while bnrewrite was off
+            session._bnrewrite_watch = False
+            return None
+        if decision.shadow is None:
+            options = _state.options
+            if decision.version == graph.version or options is None:
+                return None
+            if not any(op.type in MAY_HOLD_BATCH_NORM for op in graph.get_operations()[decision.version:]):
+                decision.version = graph.version
+                return None
+            decision = _state.decisions[graph] = _decide(graph, session._config, options, again=True)
+            if decision.shadow is None:
+                return None
+        shadow = decision.shadow
+        session._bnrewrite_watch = False  # decided for good: moved to the shadow, or refused now
+    if session._bnrewrite_ran:
+        _late_refusal(shadow.number, shadow.options, UnsyncedLayerError(
+            "it gained multi-tower training batch norm after a session on it had run (made before the model was "
+            "built); that session would train it unsynchronized: create the session after building the model"))
+        return None
+    _move(session, shadow)
+    _note(shadow.options, f"graph {shadow.number}: its session was created before the model: it runs the "
+                          "synchronized graph from its first step")
+    return shadow
+
+
+def _move(session: Any, shadow: Shadow) -> None:
+    """Replace the TensorFlow session under `session` (which has run nothing) by one on the shadow."""
+    from tensorflow.python.client import pywrap_tf_session as tf_session
+
+    options = tf_session.TF_NewSessionOptions(target=session._target, config=session._config)
+    try:
+        with shadow.graph._c_graph.get() as c_graph:
+            new = tf_session.TF_NewSessionRef(c_graph, options)
+    finally:
+        tf_session.TF_DeleteSessionOptions(options)
+    old, session._session = session._session, new
+    tf_session.TF_CloseSession(old)
+    tf_session.TF_DeleteSession(old)
+    session._bnrewrite_shadow = shadow
 
 
 def _checked_step(session: Any, shadow: Shadow, first: Any, target_list: Any, fetch_list: Any, feed_dict: Any,
@@ -455,7 +552,9 @@ def _shadow_for(graph: Any, config: Any) -> Shadow | None:
         return decision.shadow
 
 
-def _decide(graph: Any, config: Any, options: LiveOptions) -> _Decision:
+def _decide(graph: Any, config: Any, options: LiveOptions, again: bool = False) -> _Decision:
+    """Rewrite `graph` for its session; `again`: looked at again after it grew, so a graph that
+    still has nothing to synchronize gets no second record or line."""
     from bnrewrite.api import rewrite_graph
 
     number = len(_state.records) + 1
@@ -464,27 +563,35 @@ def _decide(graph: Any, config: Any, options: LiveOptions) -> _Decision:
     count = len(graph_def.node)
     try:
         result = rewrite_graph(graph_def, in_place=True, if_rewritten="keep", available_gpus=_gpus(config),
-                               **options.rewrite)
+                               allow_unsynced=options.allow_unsynced, **options.rewrite)
     except IndependentModelsError as exc:
         return _refused(number, exc, options, version)
     except NOTHING_TO_SYNC as exc:
+        if again:
+            return _Decision(None, version)
         _record(number, "unchanged", str(exc), None)
         _note(options, f"graph {number} runs unchanged: {exc}")
         return _Decision(None, version)
     except BnRewriteError as exc:
         return _refused(number, exc, options, version)
     if result.report.already_rewritten:
+        if again:
+            return _Decision(None, version)
         _record(number, "unchanged", "already rewritten by bnrewrite", result.report)
         _note(options, f"graph {number} runs unchanged: it was already rewritten by bnrewrite")
         return _Decision(None, version)
     shadow = _shadow(count, result, number, options)
-    _record(number, "synchronized", "", result.report)
     report = result.report
+    unsynced = ", ".join(f"{s['node']} ({s['reason']})" for s in report.skipped)
+    _record(number, "synchronized", f"left unsynchronized (--allow-unsynced): {unsynced}" if unsynced else "", report)
     if options.verbose:
         _note(options, f"graph {number}: " + report.text().removeprefix("bnrewrite: ").rstrip())
     else:
         _note(options, f"graph {number}: " + report.text().splitlines()[0].removeprefix("bnrewrite: ")
               + "".join(f"; {n}" for n in report.notes))
+    if unsynced:
+        print(f"bnrewrite: warning: graph {number}: {len(report.skipped)} batch-norm op(s) run UNSYNCHRONIZED "
+              f"(--allow-unsynced): {unsynced}", file=sys.stderr, flush=True)
     if shadow.first_step is not None and not shadow.first_step.check.layers:  # nothing the check can fetch
         not_checked = shadow.first_step.check.not_checked
         shadow.first_step = None

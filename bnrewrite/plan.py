@@ -9,7 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from bnrewrite.collectives import Collective, choose_backend
-from bnrewrite.errors import BnRewriteError, IndependentModelsError, NoBatchNormError, NoTowersError, TowerMismatchError
+from bnrewrite.errors import (
+    BnRewriteError,
+    IndependentModelsError,
+    NoTowersError,
+    TowerMismatchError,
+    UnsyncedLayerError,
+)
 from bnrewrite.functions import in_body
 from bnrewrite.graph import Graph
 from bnrewrite.match.replicas import trained_apart
@@ -113,14 +119,15 @@ def plan_without_shared_body_updates(graph: Graph, census: Census, options: Opti
                 doomed.update({s.name: (
                     f"its batch statistics enter {site.opaque[0]} ({graph.node(site.opaque[0]).op}), whose functions "
                     "are not searched for moving-average updates (e.g. tf_keras batch renormalization with a "
-                    "training tensor under control flow v2); left unsynced: build the graph with "
+                    "training tensor under control flow v2): build the graph with "
                     "tf.compat.v1.disable_control_flow_v2() to have it synchronized") for s in group.sites})
     if not doomed:
         return plan
     census.skips.extend(Skip(name, reason) for name, reason in doomed.items())
     census.sites = [s for s in census.sites if s.name not in doomed]
     if not census.sites:
-        raise NoBatchNormError("no batch-norm layer left to synchronize: " + census.skips[-1].reason)
+        raise UnsyncedLayerError(f"no batch-norm layer of the {len(plan.towers.ids)} towers can be synchronized: "
+                                 f"{census.skips[-1].node}: {census.skips[-1].reason}")
     return make_plan(graph, census, options)
 
 

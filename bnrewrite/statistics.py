@@ -21,6 +21,7 @@ from bnrewrite.collectives import Collective, all_reduce
 from bnrewrite.nodes import DT_DOUBLE, DT_FLOAT, Builder
 
 D, F = DT_DOUBLE, DT_FLOAT
+_NUMPY = {D: np.float64, F: np.float32}
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Moments:
 
 
 def centred_moments(b: Builder, x: str, dtype: int, axes: list[int], broadcast: list[int] | None,
-                    keep_deviations: bool = False, count: int | None = None) -> tuple[Local, str, str]:
+                    keep_deviations: bool = False, count: int | None = None, work: int = F) -> tuple[Local, str, str]:
     """This tower's moments of x over `axes` by elementwise passes: a sum, then the squared
     deviations from the local mean, summed; also returns the local sum, and with
     `keep_deviations` the deviations themselves (float32, x's shape: a Sub, for sync_forward
@@ -57,36 +58,39 @@ def centred_moments(b: Builder, x: str, dtype: int, axes: list[int], broadcast: 
     flat. None keeps the reduced dimensions (moments sites; the local sum has the shape of a
     keep_dims moment) and flattens afterwards. `count`, the number of elements reduced per
     channel when x's static shape tells it, makes the count and its reciprocal constants.
+    `work`: the dtype of the sums and the local mean (float64 for float64 data, which float32
+    would round).
     """
     axes_const = b.const("axes", axes)
-    xf = b.cast("x_float", x, dtype, F)
+    xf = b.cast("x_float", x, dtype, work)
     keep_dims = broadcast is None
-    local_sum = b.reduce_sum("local_sum", xf, axes_const, F, keep_dims)
+    local_sum = b.reduce_sum("local_sum", xf, axes_const, work, keep_dims)
     if count is None:
         n = b.count("count", x, axes_const, dtype, D)
-        local_mean = b.binary("DivNoNan", "local_mean", local_sum, b.cast("count_float", n, D, F), F)
+        local_mean = b.binary("DivNoNan", "local_mean", local_sum, b.cast("count_float", n, D, work), work)
     else:
         n = b.const("count", [float(count)], np.float64)
-        local_mean = b.binary("Mul", "local_mean", local_sum, b.const("reciprocal_count", 1.0 / max(count, 1), np.float32), F)
-    centre = local_mean if keep_dims else b.per_channel("local_mean_b", local_mean, broadcast, F)
+        local_mean = b.binary("Mul", "local_mean", local_sum, b.const("reciprocal_count", 1.0 / max(count, 1), _NUMPY[work]), work)
+    centre = local_mean if keep_dims else b.per_channel("local_mean_b", local_mean, broadcast, work)
     if keep_deviations:
-        deviations = b.binary("Sub", "deviations", xf, centre, F)
-        norm = b.reduce("EuclideanNorm", "deviations_norm", deviations, axes_const, F, keep_dims)
-        m2 = b.unary("Square", "local_m2", norm, F)
+        deviations = b.binary("Sub", "deviations", xf, centre, work)
+        norm = b.reduce("EuclideanNorm", "deviations_norm", deviations, axes_const, work, keep_dims)
+        m2 = b.unary("Square", "local_m2", norm, work)
     else:
-        deviations, squared = "", b.binary("SquaredDifference", "squared", xf, centre, F)
-        m2 = b.reduce_sum("local_m2", squared, axes_const, F, keep_dims)
+        deviations, squared = "", b.binary("SquaredDifference", "squared", xf, centre, work)
+        m2 = b.reduce_sum("local_m2", squared, axes_const, work, keep_dims)
     if keep_dims:
         flat = b.const("flat", [-1])
-        local_mean, m2 = b.reshape("local_mean_flat", local_mean, flat, F), b.reshape("local_m2_flat", m2, flat, F)
-    return Local(n, local_mean, b.cast("local_m2_64", m2, F, D)), local_sum, deviations
+        local_mean, m2 = b.reshape("local_mean_flat", local_mean, flat, work), b.reshape("local_m2_flat", m2, flat, work)
+    return Local(n, local_mean, b.cast("local_m2_64", m2, work, D)), local_sum, deviations
 
 
-def global_moments(b: Builder, local: Local, key: Collective, total: int | None = None) -> Moments:
+def global_moments(b: Builder, local: Local, key: Collective, total: int | None = None, work: int = F) -> Moments:
     """The global moments from every tower's `local` ones, by one all-reduce. `total`, the
     global count when every member's is static (see bnrewrite.passes.sites.static_counts), keeps
-    the count out of the all-reduce and turns the divisions into products with constants."""
-    n, m64 = local.count, b.cast("local_mean64", local.mean, F, D)
+    the count out of the all-reduce and turns the divisions into products with constants.
+    `work`: the dtype of `local.mean` and of the moments (float64 for float64 data)."""
+    n, m64 = local.count, b.cast("local_mean64", local.mean, work, D)
     s = b.binary("Mul", "sum64", n, m64, D)
     ss = b.binary("AddV2", "sumsq64", local.m2, b.binary("Mul", "mean_sq64", s, m64, D), D)
     if total is not None:
@@ -95,10 +99,10 @@ def global_moments(b: Builder, local: Local, key: Collective, total: int | None 
         mean64, mean_sq64 = b.split_pairs("global", scaled, D)
         # E[x^2] - E[x]^2 in float64: at |mean|/std = 1000 it keeps ~1e-10 of the variance
         m2_raw = b.binary("Sub", "variance_raw64", mean_sq64, b.unary("Square", "mean_squared64", mean64, D), D)
-        variance = b.cast("variance", b.binary("Maximum", "variance64", m2_raw, b.const("zero64", 0.0, np.float64), D), D, F)
-        bessel = b.const("bessel", total / (total - 1.0), np.float32)
-        return Moments(collective=reduced, count=b.const("total64", [float(total)], np.float64), mean=b.cast("mean", mean64, D, F),
-                       variance=variance, variance_unbiased=b.binary("Mul", "variance_unbiased", variance, bessel, F))
+        variance = b.cast("variance", b.binary("Maximum", "variance64", m2_raw, b.const("zero64", 0.0, np.float64), D), D, work)
+        bessel = b.const("bessel", total / (total - 1.0), _NUMPY[work])
+        return Moments(collective=reduced, count=b.const("total64", [float(total)], np.float64), mean=b.cast("mean", mean64, D, work),
+                       variance=variance, variance_unbiased=b.binary("Mul", "variance_unbiased", variance, bessel, work))
     reduced = all_reduce(b, "all_reduce", b.concat("moments", [n, s, ss], D), D, key)
 
     total_count, (gsum, gsumsq) = b.split_count("global", reduced, D)
@@ -109,7 +113,7 @@ def global_moments(b: Builder, local: Local, key: Collective, total: int | None 
     return Moments(
         collective=reduced,
         count=total_count,
-        mean=b.cast("mean", mean64, D, F),
-        variance=b.cast("variance", b.binary("DivNoNan", "variance64", m2g, total_count, D), D, F),
-        variance_unbiased=b.cast("variance_unbiased", b.binary("DivNoNan", "variance_unbiased64", m2g, bessel, D), D, F),
+        mean=b.cast("mean", mean64, D, work),
+        variance=b.cast("variance", b.binary("DivNoNan", "variance64", m2g, total_count, D), D, work),
+        variance_unbiased=b.cast("variance_unbiased", b.binary("DivNoNan", "variance_unbiased64", m2g, bessel, D), D, work),
     )

@@ -184,8 +184,13 @@ def _misaligned_graph():
     return _per_tower_bn([[3], [4]])
 
 
-def test_layer_missing_in_one_tower_is_skipped_rest_synced():
-    result = rewrite_graph(_per_tower_bn([[3, 5], [3]]))
+def test_layer_missing_in_one_tower_refuses_the_graph_unless_allow_unsynced():
+    graph = _per_tower_bn([[3, 5], [3]])
+    with pytest.raises(bnrewrite.UnsyncedLayerError, match=r"1 training batch-norm op\(s\) of the 2 towers cannot be "
+                       r"synchronized.*tower_0/bn1/FusedBatchNormV3: missing from tower\(s\) /device:CPU:1") as info:
+        rewrite_graph(graph)
+    assert info.value.exit_code == 7 and isinstance(info.value, bnrewrite.TowerMismatchError)
+    result = rewrite_graph(graph, allow_unsynced=True)
     assert [row.sites for row in result.report.layers] == [["tower_0/bn0/FusedBatchNormV3", "tower_1/bn0/FusedBatchNormV3"]]
     assert result.report.skipped == [{"node": "tower_0/bn1/FusedBatchNormV3", "reason": "missing from tower(s) /device:CPU:1"}]
     kept = {n.name: n.op for n in result.graph_def.node}

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import tensorflow as tf
 
-from bnrewrite import TowerMismatchError, rewrite_graph
+from bnrewrite import TowerMismatchError, UnsyncedLayerError, rewrite_graph
 from bnrewrite.graph import Graph
 from bnrewrite.match.lineup import role
 
@@ -101,11 +101,18 @@ def test_unconventional_names_are_paired_by_structure_and_order():
     assert "lined up by" in str(report)
 
 
+def _partial(graph, reason: str):
+    """The graph is refused with `reason` in the message; allow_unsynced gives the partial rewrite."""
+    with pytest.raises(UnsyncedLayerError, match=reason):
+        rewrite_graph(graph, backend="collective")
+    return rewrite_graph(graph, backend="collective", allow_unsynced=True)
+
+
 def test_parallel_twins_nothing_tells_apart_are_skipped_not_guessed():
     """Two identical branches side by side, in towers whose names pair nothing: refused with
-    the reason; the layers before and after are still synchronized."""
-    result = rewrite_graph(_towers(["alpha", "beta"], ["stem", "left", "right", "head"], parallel=("left", "right")),
-                           backend="collective")
+    the reason; with allow_unsynced the layers before and after are still synchronized."""
+    result = _partial(_towers(["alpha", "beta"], ["stem", "left", "right", "head"], parallel=("left", "right")),
+                      "do not depend on each other")
     assert [{_layer_of(s) for s in row.sites} for row in result.report.layers] == [{"stem_bn"}, {"head_bn"}]
     skipped = result.report.skipped
     assert {_layer_of(s["node"]) for s in skipped} == {"left_bn", "right_bn"} and len(skipped) == 4
@@ -132,7 +139,7 @@ def test_uniquified_scopes_are_paired_by_their_roles():
 
 def test_a_layer_missing_in_one_tower_is_skipped_the_rest_synced():
     graph = _towers(["tower_0", "tower_1"], ["a", "b", "c"], skip={1: ("b",)}, variable_scopes=["v0", "v1"])
-    result = rewrite_graph(graph, backend="collective")
+    result = _partial(graph, r"tower_0/v0/b_bn/FusedBatchNormV3: missing from tower\(s\) /device:CPU:1")
     assert [{_layer_of(s) for s in row.sites} for row in result.report.layers] == [{"a_bn"}, {"c_bn"}]
     assert result.report.skipped == [{"node": "tower_0/v0/b_bn/FusedBatchNormV3", "reason": "missing from tower(s) /device:CPU:1"}]
 
@@ -140,7 +147,7 @@ def test_a_layer_missing_in_one_tower_is_skipped_the_rest_synced():
 def test_a_layer_missing_where_names_pair_nothing_skips_what_it_changed():
     """Without usable names, the layer after the missing one has another structure in that
     tower (its conv reads a conv): nothing says which copy is missing, so both are skipped."""
-    result = rewrite_graph(_towers(["alpha", "beta"], ["a", "b", "c"], skip={1: ("b",)}), backend="collective")
+    result = _partial(_towers(["alpha", "beta"], ["a", "b", "c"], skip={1: ("b",)}), "missing from tower")
     assert [{_layer_of(s) for s in row.sites} for row in result.report.layers] == [{"a_bn"}]
     assert sorted(s["node"] for s in result.report.skipped) == [
         "alpha/w_alpha/b_bn/FusedBatchNormV3", "alpha/w_alpha/c_bn/FusedBatchNormV3", "beta/w_beta/c_bn/FusedBatchNormV3"]

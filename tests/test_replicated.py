@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from bnrewrite import rewrite_graph
+from bnrewrite import UnsyncedLayerError, rewrite_graph
 from bnrewrite.report import Report
 from models import Built, Result, Spec, assert_synced, kernel_gradients, kernel_moments, make_batches, train, use_kernels
 
@@ -215,9 +215,12 @@ def test_replicated_block_trains_like_one_device(k: int, fused: bool, every_towe
                   resource=resource)
 
 
-def test_layer_missing_in_one_tower_is_skipped_and_the_rest_synchronized():
+def test_layer_missing_in_one_tower_refuses_the_graph_or_with_allow_unsynced_is_skipped():
     towers = _numbered(3)
-    result = rewrite_graph(_build(_block(True, a1_bn_missing_in=2), towers, BATCH).graph, backend="collective")
+    graph = _build(_block(True, a1_bn_missing_in=2), towers, BATCH).graph
+    with pytest.raises(UnsyncedLayerError, match="a1_bn/FusedBatchNormV3: missing from tower"):
+        rewrite_graph(graph, backend="collective")  # refused unless allow_unsynced
+    result = rewrite_graph(graph, backend="collective", allow_unsynced=True)
     _assert_lined_up(result.report, towers, ["stem_bn", "a2_bn", "proj_bn"])
     skipped = result.report.skipped
     print("a1_bn skipped:", {s["reason"] for s in skipped})
@@ -236,7 +239,7 @@ def test_identical_parallel_layers_are_paired_right_or_skipped():
     statistics of different branches, which the oracle sees."""
     towers = [(name, f"w_{name}") for name in ("alpha", "beta", "omega")]
     built = _build(_twins, towers, BATCH)
-    result = rewrite_graph(built.graph, backend="collective")
+    result = rewrite_graph(built.graph, backend="collective", allow_unsynced=True)
     branches = ["batch_normalization_1", "batch_normalization_2"]
     skipped = result.report.skipped
     print("branches skipped:", {s["reason"] for s in skipped} if skipped else "no")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from bnrewrite import NoBatchNormError, rewrite_graph
+from bnrewrite import NoBatchNormError, UnsyncedLayerError, rewrite_graph
 from bnrewrite.collectives import COLLECTIVE_OPS
 from models import Built, assert_synced, train
 
@@ -152,8 +152,11 @@ def test_parallel_layers_all_reduce_in_one_order_on_every_tower():
 def test_ghost_batch_norm_is_reported_not_synchronized():
     """virtual_batch_size normalizes each virtual batch with its own statistics on purpose (and
     one device would split its batch into other virtual batches): such a layer is left as it
-    is, with the reason; the others are synchronized."""
-    result = rewrite_graph(build_block(2, 4, "unfused", ghost=("proj",)).graph, backend="collective")
+    is, with the reason: the graph is refused, and with allow_unsynced the others are synchronized."""
+    graph = build_block(2, 4, "unfused", ghost=("proj",)).graph
+    with pytest.raises(UnsyncedLayerError, match="virtual_batch_size=2"):
+        rewrite_graph(graph, backend="collective")
+    result = rewrite_graph(graph, backend="collective", allow_unsynced=True)
     assert [row.layer for row in result.report.layers] == [n for n in BN_LAYERS if n != "net/proj_bn"]
     skipped = result.report.skipped
     assert len(skipped) == 2 and all("proj_bn" in s["node"] and "virtual_batch_size=2" in s["reason"] for s in skipped)

@@ -175,8 +175,9 @@ def test_half_precision_is_as_close_to_float32_as_one_device(layer, dtype, data_
 def test_batch_renorm_under_v2_cond_is_reported_not_rewritten():
     """With a training tensor under control flow v2, tf_keras's batch renormalization updates
     its shared moving averages inside If branch functions that carry its statistics; those
-    functions are not searched, so the layer is left as it was, with the way out named."""
-    with pytest.raises(bnrewrite.NoBatchNormError, match="disable_control_flow_v2") as info:
+    functions are not searched, so the layer cannot be synchronized: the graph is refused, with the
+    way out named."""
+    with pytest.raises(bnrewrite.UnsyncedLayerError, match="disable_control_flow_v2") as info:
         rewrite_graph(build_towers(Spec(towers=2, layer="legacy_cond_v2", renorm=True)).graph)
     assert "(If)" in str(info.value)
 
@@ -227,7 +228,7 @@ def test_shared_population_variables_in_v2_branch_are_skipped_with_reason():
         return tf.compat.v1.cond(tf.compat.v1.get_default_graph().get_tensor_by_name("is_training:0"),
                                  train, lambda: x - pop_mean[0])
 
-    with pytest.raises(bnrewrite.NoBatchNormError, match="shared by the towers and updated inside a branch function"):
+    with pytest.raises(bnrewrite.UnsyncedLayerError, match="shared by the towers and updated inside a branch function"):
         rewrite_graph(_v2_graph(body), backend="collective")
 
 

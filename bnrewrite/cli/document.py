@@ -16,6 +16,7 @@ def rewrite_keywords(args: argparse.Namespace) -> dict[str, Any]:
         "backend": args.backend, "tower_by": args.tower_by, "group_size": args.group_size,
         "timeout_seconds": args.timeout, "num_workers": args.workers,
         "task_index": args.task_index if args.task_index is not None else 0,
+        "allow_unsynced": getattr(args, "allow_unsynced", False),  # verify has no such option
     }
 
 

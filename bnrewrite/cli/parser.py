@@ -183,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("input", metavar="IN", help="GraphDef (.pb/.pbtxt), MetaGraphDef (.meta) or SavedModel directory")
     convert.add_argument("output", metavar="OUT", help="where to write the rewritten model (must not exist unless --force)")
     _rewrite_options(convert)
+    _allow_unsynced(convert)
     out = convert.add_argument_group("output")
     out.add_argument("--format", choices=["pb", "pbtxt", "meta", "metatxt", "savedmodel"],
                      help="OUT's format (default: IN's); pb/pbtxt = GraphDef, meta/metatxt = MetaGraphDef")
@@ -205,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("input", metavar="IN", help="GraphDef (.pb/.pbtxt), MetaGraphDef (.meta) or SavedModel directory")
     _rewrite_options(inspect)
+    _allow_unsynced(inspect)
     inspect.add_argument("--json", action="store_true", help="print the JSON report instead of text")
     _verbosity(inspect)
     inspect.set_defaults(func=cmd_inspect)
@@ -228,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-m", dest="module", metavar="MODULE", help="run library module MODULE as a script (python -m)")
     _rewrite_options(run, tags=False)
     run.add_argument("--allow-unsynced", action="store_true",
-                     help="run a graph bnrewrite refuses as it is, with a warning, instead of stopping the script")
+                     help="run a graph bnrewrite refuses with a warning instead of stopping the script: synchronized but for "
+                          "the layers that cannot be, or as it is")
     run.add_argument("--verify", action="store_true",
                      help="check the first step of each synchronized graph layer by layer (global moments, every tower's "
                           "output, moving statistics updated once); a failure stops the script with exit 12")
@@ -287,6 +290,12 @@ def _rewrite_options(parser: argparse.ArgumentParser, tags: bool = True) -> None
     if tags:
         group.add_argument("--tags", action="append", metavar="T1,T2",
                            help="SavedModels: rewrite only the MetaGraph with exactly these tags (repeatable; default: all)")
+
+
+def _allow_unsynced(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--allow-unsynced", action="store_true",
+                        help="synchronize the layers that can be and leave the others as they are, instead of refusing "
+                             "the graph (exit 7) when a training batch-norm layer cannot be synchronized")
 
 
 def _verbosity(parser: argparse.ArgumentParser) -> None:

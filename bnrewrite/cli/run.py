@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from bnrewrite import live
+from bnrewrite import children, live
 from bnrewrite.cli.output import INTERRUPTED, USAGE, print_error, print_note
 from bnrewrite.errors import BnRewriteError, OutputError
 
@@ -94,10 +94,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if isinstance(main, int):
         return main
     report = _check_report(args.report, args.force, [main.file] if main is not None and main.file else [])
-    live.enable(backend=args.backend, tower_by=args.tower_by, group_size=args.group_size,
-                timeout_seconds=args.timeout, num_workers=args.workers, task_index=args.task_index or 0,
-                allow_unsynced=args.allow_unsynced, quiet=args.quiet, verbose=args.verbose, verify=args.verify,
-                exit_on_refusal=True)
+    options = dict(backend=args.backend, tower_by=args.tower_by, group_size=args.group_size,
+                   timeout_seconds=args.timeout, num_workers=args.workers, task_index=args.task_index or 0,
+                   allow_unsynced=args.allow_unsynced, quiet=args.quiet, verbose=args.verbose, verify=args.verify,
+                   exit_on_refusal=True)
+    live.enable(**options)
+    children.follow(options)  # multiprocessing 'spawn' children run with the same options
     write = (lambda: _write_report(report, args.force)) if report else None
     with _report_on_signals(write):
         code = _run(args, main)

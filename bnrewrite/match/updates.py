@@ -22,6 +22,10 @@ _ARITHMETIC = frozenset({
 _MAX_DEPTH = 16
 #: Functional control flow: the functions of these ops are not searched for updates.
 _FUNCTIONAL = IF_OPS | frozenset({"Case", "StatelessCase", "While", "StatelessWhile"})
+#: ... of which these hold no stateful op, so no write of a variable (TensorFlow builds them so).
+_STATELESS = frozenset({"StatelessIf", "StatelessCase", "StatelessWhile"})
+#: Prefixes of the ops that write a variable's elements in place.
+_SCATTER_PREFIXES = ("Scatter", "ResourceScatter", "ResourceStridedSliceAssign", "StridedSliceAssign")
 _FOLLOWED = ASSIGN_OPS | _ARITHMETIC | _FUNCTIONAL
 
 
@@ -30,7 +34,8 @@ def find_updates(graph: Graph, statistics: list[tuple[str, int, str]]) -> tuple[
     also through the value an update leaves (the output of a ref-variable assign, or a read
     that waits on a resource-variable assign): batch renormalization sets moving_variance from
     moving_stddev once that is updated. Also the functional control-flow ops the statistics
-    enter on the way, whose functions may hold updates this search cannot see."""
+    enter on the way that may hide an update this search cannot see (_may_hide_updates); one
+    that only reads them (a summary's tf.nn.zero_fraction cond) is no obstacle."""
     found: dict[str, Update] = {}
     opaque: set[str] = set()
     for site, output, statistic in statistics:
@@ -40,11 +45,22 @@ def find_updates(graph: Graph, statistics: list[tuple[str, int, str]]) -> tuple[
             starts = [(update, 0) for update in new] + [
                 (read, 0) for update in new for read in graph.consumers.get(update, ())
                 if graph.node(read).op == "ReadVariableOp" and f"^{update}" in graph.node(read).input]
-    return tuple(sorted(found.values(), key=lambda u: u.node)), tuple(sorted(opaque))
+    return tuple(sorted(found.values(), key=lambda u: u.node)), tuple(sorted(o for o in opaque if _may_hide_updates(graph, o)))
+
+
+def _may_hide_updates(graph: Graph, functional: str) -> bool:
+    """Whether moving-average updates may lie inside or beyond a functional op the statistics
+    enter: its functions may write a variable, or an assign (or another functional op) is a few
+    elementwise ops after one of its outputs (batch renormalization's cond v2). A cond whose
+    outputs feed no update (a summary's tf.nn.zero_fraction) hides none."""
+    if may_write_variables(graph, graph.node(functional)):
+        return True
+    beyond: set[str] = set()
+    return bool(_updates_from(graph, [(functional, None)], "", {}, beyond)) or bool(beyond)
 
 
 def _updates_from(
-    graph: Graph, starts: list[tuple[str, int]], statistic: str, found: dict[str, Update], opaque: set[str],
+    graph: Graph, starts: list[tuple[str, int | None]], statistic: str, found: dict[str, Update], opaque: set[str],
 ) -> list[str]:
     """Add to `found` the assign ops a few elementwise ops away from `starts` (and to `opaque`
     the functional ops met); the new updates."""
@@ -67,6 +83,44 @@ def _updates_from(
                     nxt.extend((consumer.name, i) for i in range(2 if consumer.op == "Switch" else 1))
         frontier = nxt
     return new
+
+
+def may_write_variables(graph: Graph, node: object) -> bool:
+    """Whether a functional op's functions (and the functions they call) hold an op that can
+    write a variable: an assign, an optimizer's update, a scatter, or an op it cannot look into."""
+    if node.op in _STATELESS:
+        return False
+    library = {f.signature.name: f for f in graph.library.function} if graph.library is not None else {}
+    pending, seen = _functions_of(node), set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name not in library:
+            return True  # a function the graph does not hold: nothing says it writes nothing
+        for inner in library[name].node_def:
+            if _writes(inner.op):
+                return True
+            if inner.op in library:
+                pending.append(inner.op)
+            if inner.op not in _STATELESS:
+                pending.extend(_functions_of(inner))
+    return False
+
+
+def _functions_of(node: object) -> list[str]:
+    """The names of the functions a node's attrs name (branches, bodies, called functions)."""
+    names = []
+    for value in node.attr.values():
+        if value.HasField("func"):
+            names.append(value.func.name)
+        names.extend(f.name for f in value.list.func)
+    return names
+
+
+def _writes(op: str) -> bool:
+    return op in ASSIGN_OPS or op.startswith(_APPLY_PREFIXES) or op.startswith(_SCATTER_PREFIXES)
 
 
 def writers(graph: Graph) -> dict[str, str]:

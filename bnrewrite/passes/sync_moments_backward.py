@@ -15,12 +15,11 @@ from bnrewrite.errors import PassError
 from bnrewrite.functions import in_body
 from bnrewrite.graph import Graph
 from bnrewrite.match.sites import Site
-from bnrewrite.nodes import DT_FLOAT, DT_INT32, Builder, DType
+from bnrewrite.nodes import DT_INT32, Builder, DType
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.passes.sites import SiteContext, each_site
+from bnrewrite.passes.sync_moments_forward import working_dtype
 from bnrewrite.plan import Plan
-
-F = DT_FLOAT
 
 
 def sync_moments_backward(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
@@ -31,31 +30,32 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     graph, editor = ctx.graph, ctx.editor
     x = graph.node(site.name).input[0]
     device = graph.node(site.name).device  # the tower's: one all-reduce member per tower device
+    work = working_dtype(site)
     for phase, reshapes in enumerate(zip(site.grads, site.variance_grads), start=1):
         b = ctx.builder(reshapes[0], "sync_moments_grad", device)
         flat = b.const("flat", [-1])
         incoming = [graph.node(r).input[0] for r in reshapes]
-        local = [b.cast(f"g{i}_float", b.reshape(f"g{i}_flat", g, flat, site.dtype), site.dtype, F) for i, g in enumerate(incoming)]
-        count = _local_count(b, graph, reshapes[0], x, site)
+        local = [b.cast(f"g{i}_float", b.reshape(f"g{i}_flat", g, flat, site.dtype), site.dtype, work) for i, g in enumerate(incoming)]
+        count = _local_count(b, graph, reshapes[0], x, site, work)
         key = ctx.plan.collective(ctx.layer, phase, ctx.tower)
-        reduced = all_reduce(b, "all_reduce", b.concat("sums", [count, *local], F), F, key)
-        total, sums = b.split_count("global", reduced, F)
-        share = b.binary("DivNoNan", "share", count, total, F)
+        reduced = all_reduce(b, "all_reduce", b.concat("sums", [count, *local], work), work, key)
+        total, sums = b.split_count("global", reduced, work)
+        share = b.binary("DivNoNan", "share", count, total, work)
         for i, (reshape, g, summed) in enumerate(zip(reshapes, incoming, sums)):
             shape = b.node("Shape", f"g{i}_shape", [g], T=DType(site.dtype), out_type=DType(DT_INT32))
-            scaled = b.cast(f"g{i}_scaled", b.binary("Mul", f"g{i}_share", summed, share, F), F, site.dtype)
+            scaled = b.cast(f"g{i}_scaled", b.binary("Mul", f"g{i}_share", summed, share, work), work, site.dtype)
             editor.mutable(reshape).input[0] = b.reshape(f"g{i}_global", scaled, shape, site.dtype)
             ctx.record.replaced.append(reshape)
         ctx.record.collectives.append(reduced)
 
 
-def _local_count(b: Builder, graph: Graph, reshape: str, x: str, site: Site) -> str:
-    """n_i as a [1] float tensor: from x, or, in a gradient function that cannot see x, from
+def _local_count(b: Builder, graph: Graph, reshape: str, x: str, site: Site, work: int) -> str:
+    """n_i as a [1] tensor of dtype `work`: from x, or, in a gradient function that cannot see x, from
     the denominator the existing `mean_grad/truediv` divides by."""
     if not in_body(reshape):
-        return b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, F)
+        return b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, work)
     divide = reshape.rsplit("/", 1)[0] + "/truediv"
     if divide not in graph or graph.node(divide).op not in ("RealDiv", "Div"):
         raise PassError(f"no {divide} beside {reshape}: cannot tell the local count inside a gradient function")
     denominator = graph.node(divide).input[1]
-    return b.reshape("count", b.cast("count_float", denominator, site.dtype, F), b.const("count_shape", [1]), F)
+    return b.reshape("count", b.cast("count_float", denominator, site.dtype, work), b.const("count_shape", [1]), work)

@@ -11,13 +11,18 @@ from __future__ import annotations
 
 from bnrewrite.graph import Graph
 from bnrewrite.match.sites import Site
-from bnrewrite.nodes import DT_FLOAT, DT_INT32, DType, identity_n
+from bnrewrite.nodes import DT_DOUBLE, DT_FLOAT, DT_INT32, DType, identity_n
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.passes.sites import SiteContext, each_site
 from bnrewrite.plan import Plan
 from bnrewrite.statistics import centred_moments, global_moments
 
-F = DT_FLOAT
+
+
+def working_dtype(site: Site) -> int:
+    """The dtype the statistics of a moments site are computed in: float64 for float64 data,
+    else float32 (float16 and bfloat16 data sum in float32, as tf.nn.moments does)."""
+    return DT_DOUBLE if site.dtype == DT_DOUBLE else DT_FLOAT
 
 
 def sync_moments_forward(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
@@ -28,13 +33,14 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     graph, editor = ctx.graph, ctx.editor
     node = graph.node(site.name)
     b = ctx.builder(site.name, "sync_moments", node.device)
-    local, local_sum, _ = centred_moments(b, node.input[0], site.dtype, site.reduce_axes, None)
-    moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower))
-    shape = b.node("Shape", "keep_dims_shape", [local_sum], T=DType(F), out_type=DType(DT_INT32))
+    work = working_dtype(site)
+    local, local_sum, _ = centred_moments(b, node.input[0], site.dtype, site.reduce_axes, None, work=work)
+    moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower), work=work)
+    shape = b.node("Shape", "keep_dims_shape", [local_sum], T=DType(work), out_type=DType(DT_INT32))
     for name, value in ((site.name, moments.mean), (site.variance, moments.variance)):
         if site.keep_dims:
-            value = b.reshape(f"{value.rsplit('/', 1)[1]}_kept", value, shape, F)
-        value = b.cast(f"{value.rsplit('/', 1)[1]}_out", value, F, site.dtype)
+            value = b.reshape(f"{value.rsplit('/', 1)[1]}_kept", value, shape, work)
+        value = b.cast(f"{value.rsplit('/', 1)[1]}_out", value, work, site.dtype)
         controls = [i for i in graph.node(name).input if i.startswith("^")]
         editor.replace(identity_n(name, [value, *controls], [site.dtype], graph.node(name).device, ctx.key))
         ctx.record.replaced.append(name)

@@ -1,0 +1,160 @@
+"""Nothing left unsynchronized in silence (issue 38): what bnrewrite once let train unsynchronized
+without a word is synchronized, or refused with the reason.
+
+The oracle: tests/scripts/silent_cases.py under `bnrewrite run` (a cifar10-style trainer whose
+summaries put a tf.nn.zero_fraction cond after every layer, an InteractiveSession made before
+the model, the same trainer in a multiprocessing 'spawn' child, a float64 model) against the
+same models on one device fed the whole batch, and K towers without bnrewrite missing them,
+both trained in process. In process: a graph with a layer that cannot be synchronized is
+refused by enable(), convert and inspect; a model added to a graph after its session was
+synchronized, or one built after a session on its graph ran, stops the next run.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import bnrewrite
+from bnrewrite import UnsyncedLayerError
+from bnrewrite.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
+import silent_cases  # noqa: E402
+
+tf1 = tf.compat.v1
+K, B = 2, 2
+
+
+@pytest.fixture(autouse=True)
+def _disabled_after():
+    yield
+    bnrewrite.disable()
+
+
+def _error(got: dict, expected: dict) -> float:
+    assert sorted(got) == sorted(expected)
+    return max(float(np.linalg.norm((got[k] - expected[k]).ravel()) / max(np.linalg.norm(expected[k].ravel()), 1e-3))
+               for k in expected)
+
+
+def test_run_synchronizes_every_case_that_trained_unsynchronized_in_silence(tmp_path):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bnrewrite", "run", os.path.join(ROOT, "tests", "scripts", "silent_cases.py"), "out.npz",
+         "--towers", str(K), "--batch", str(B)], cwd=str(tmp_path), text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT})
+    # meanwhile: the references, in this process
+    expected = {case: silent_cases.train(case, 1, K * B) for case in silent_cases.CASES if case != "spawn"}
+    unsynced = {case: silent_cases.train(case, K, B) for case in expected}
+    _, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err[-3000:]
+    with np.load(tmp_path / "out.npz") as saved:
+        got = dict(saved)
+    expected["spawn"], unsynced["spawn"] = expected["cifar10"], unsynced["cifar10"]  # the same trainer
+    for case in silent_cases.CASES:
+        values = {name.split("/", 1)[1]: value for name, value in got.items() if name.startswith(case + "/")}
+        error, apart = _error(values, expected[case]), _error(unsynced[case], expected[case])
+        print(f"{case}: {error:.1e} from one device, unsynchronized {apart:.2f}")
+        assert error < (1e-12 if case == "float64" else 1e-5) and apart > 0.5, case
+    lines = [line for line in err.splitlines() if line.startswith("bnrewrite:")]
+    synced = [line for line in lines if "batch-norm layer(s) synchronized across 2 towers" in line]
+    assert [line.split(": ", 2)[2][:2] for line in synced] == ["3 ", "3 ", "3 ", "2 "], lines  # cifar10 x3, float64
+    assert any("its session was created before the model: it runs the synchronized graph" in line for line in lines)
+
+
+def _two_models_graph(second: bool) -> tuple:
+    """Two 2-tower cifar10-style trainers (variable scopes a, b) in one graph; the second one
+    only when `second`. Returns (graph, [(inputs, loss, train op)])."""
+    graph = tf.Graph()
+    models = []
+    with graph.as_default():
+        for scope in ("a", "b")[:1 + second]:
+            with tf1.variable_scope(scope):
+                inputs, loss, _, train = silent_cases.build(K, B, tf.float32, silent_cases._cifar10_tower)
+            models.append((inputs, loss, train))
+    return graph, models
+
+
+def _step(sess, model) -> float:
+    inputs, loss, train = model
+    images, labels = silent_cases._batches(K * B, tf.float32)[0]
+    feed = {}
+    for k, (x, y) in enumerate(inputs):
+        feed[x], feed[y] = images[k * B:(k + 1) * B], labels[k * B:(k + 1) * B]
+    return sess.run([loss, train], feed)[0]
+
+
+def test_a_model_added_after_the_session_was_synchronized_stops_the_next_run(capsys):
+    bnrewrite.enable()
+    graph, (first,) = _two_models_graph(second=False)
+    config = tf1.ConfigProto(device_count={"CPU": K})
+    with graph.as_default(), tf1.Session(graph=graph, config=config) as sess:
+        sess.run(tf1.global_variables_initializer())
+        _step(sess, first)
+        with tf1.variable_scope("b"):
+            inputs, loss, _, train = silent_cases.build(K, B, tf.float32, silent_cases._cifar10_tower)
+        with pytest.raises(UnsyncedLayerError, match=r"6 training batch-norm op\(s\) were added after its session was "
+                                                     r"synchronized and would train unsynchronized \(b/tower_0/"):
+            sess.run(tf1.variables_initializer(tf1.global_variables("b")))
+    bnrewrite.enable(allow_unsynced=True)  # the same, with a warning
+    graph, (first,) = _two_models_graph(second=False)
+    with graph.as_default(), tf1.Session(graph=graph, config=config) as sess:
+        sess.run(tf1.global_variables_initializer())
+        with tf1.variable_scope("b"):
+            silent_cases.build(K, B, tf.float32, silent_cases._cifar10_tower)
+        _step(sess, first)
+        _step(sess, first)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "(--allow-unsynced: they run UNSYNCHRONIZED)" in warnings[0]
+
+
+def test_a_model_built_after_its_graph_s_session_ran_is_refused():
+    bnrewrite.enable(quiet=True)
+    with tf.Graph().as_default() as graph:
+        sess = tf1.InteractiveSession(config=tf1.ConfigProto(device_count={"CPU": K}))
+        sess.run(tf.constant(1.0))  # the session has run: what it holds would be lost by a move
+        _, loss, _, train = silent_cases.build(K, B, tf.float32, silent_cases._cifar10_tower)
+        with pytest.raises(UnsyncedLayerError, match="gained multi-tower training batch norm after a session on it had "
+                                                     "run .*create the session after building the model"):
+            sess.run(tf1.global_variables_initializer())
+        sess.close()
+    assert graph.version  # the graph itself is left as built
+
+
+def _partial_graph() -> tf.Graph:
+    """The cifar10-style 2-tower trainer plus a tf.nn.weighted_moments batch norm in each tower."""
+    graph = tf.Graph()
+    with graph.as_default():
+        inputs, *_ = silent_cases.build(K, B, tf.float32, silent_cases._cifar10_tower)
+        for k, (images, _) in enumerate(inputs):
+            with tf.device(f"/cpu:{k}"), tf.name_scope(f"tower_{k}/weighted"):
+                mean, variance = tf.nn.weighted_moments(images, [0, 1, 2], tf.ones_like(images))
+                tf.nn.batch_normalization(images, mean, variance, None, None, 1e-3)
+    return graph
+
+
+def test_a_layer_that_cannot_be_synchronized_refuses_the_graph_everywhere(tmp_path, capsys):
+    graph = _partial_graph()
+    with bnrewrite.enabled(quiet=True):
+        with pytest.raises(UnsyncedLayerError, match="tf.nn.weighted_moments is not synchronized") as info:
+            tf1.Session(graph=graph, config=tf1.ConfigProto(device_count={"CPU": K}))
+    assert info.value.exit_code == 7
+    with bnrewrite.enabled(allow_unsynced=True):
+        tf1.Session(graph=graph, config=tf1.ConfigProto(device_count={"CPU": K})).close()
+    err = capsys.readouterr().err
+    assert ": 3 batch-norm layer(s) synchronized" in err
+    assert ": 2 batch-norm op(s) run UNSYNCHRONIZED (--allow-unsynced): tower_0/weighted/" in err
+    path = str(tmp_path / "partial.pb")
+    tf.io.write_graph(graph.as_graph_def(), str(tmp_path), "partial.pb", as_text=False)
+    assert main(["convert", path, str(tmp_path / "out.pb")]) == 7
+    assert not os.path.exists(tmp_path / "out.pb")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot be synchronized" in err and "--allow-unsynced synchronizes the others" in err
+    assert main(["inspect", path]) == 7
+    assert "convert would fail: 2 training batch-norm op(s) of the 2 towers cannot be synchronized" in capsys.readouterr().out
+    assert main(["convert", "-q", "--allow-unsynced", path, str(tmp_path / "out.pb")]) == 0
+    assert os.path.exists(tmp_path / "out.pb")
