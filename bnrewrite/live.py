@@ -399,7 +399,8 @@ def _patch(module: Any) -> None:
         shadow = _shadow_for(script_graph, config)
         if shadow is None:
             init(self, target, graph, config)
-            self._bnrewrite_watch, self._bnrewrite_ran = True, False  # it can still move to a shadow (_late_shadow)
+            # While enabled, it can still move to a shadow (_late_shadow); made while disabled, it runs as it is.
+            self._bnrewrite_watch, self._bnrewrite_ran = _state.options is not None, False
             return
         init(self, target, shadow.graph, config)
         self._graph = script_graph
