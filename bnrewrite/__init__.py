@@ -21,6 +21,7 @@ from bnrewrite.errors import (
     PassError,
     RemovedByRewriteError,
     TowerMismatchError,
+    UnsyncedLayerError,
 )
 
 __version__ = "0.1.0"
@@ -41,6 +42,7 @@ __all__ = [
     "RemovedByRewriteError",
     "RewriteResult",
     "TowerMismatchError",
+    "UnsyncedLayerError",
     "check",
     "disable",
     "enable",

@@ -91,3 +91,10 @@ class RemovedByRewriteError(BnRewriteError):
 
 class ForeignGraphError(BnRewriteError):
     """`RewriteResult.find` was given a graph its `to_graph()` did not build (e.g. the input graph)."""
+
+
+class UnsyncedLayerError(BnRewriteError):
+    """`--verify` / `bnrewrite verify`: the graph holds a training batch-norm layer the rewrite
+    left unsynchronized (the report's skipped sites); names the layer and why."""
+
+    exit_code = 13
