@@ -51,6 +51,7 @@ SLOW_TESTS = (
     "test_run.py::test_unmodified_trainers",
     "test_run.py::test_run_reports_every_graph",
     "test_run.py::test_refused_graph",
+    "test_run.py::test_verify_checks_the_training_step",
     "test_run.py::test_ctrl_c",
     *(f"test_stepcheck.py::test_every_form_verifies_in_process[{form}]" for form in (
         "fused op", "fused NCHW", "fused float16", "fused bfloat16", "renorm", "moments cond v1", "fused cond v1",
