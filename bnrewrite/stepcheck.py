@@ -233,19 +233,24 @@ def build(graph: Any, report: Report) -> StepCheck:
     return StepCheck(before, step, after, list(report.towers), layers, not_checked, snapshots, unsynced_layers(report))
 
 
-#: A top name scope that names a tower (`tower_0`, `clone_1`, `replica_2`, `gpu3`).
-_TOWER_SCOPE = re.compile(r"[A-Za-z_]*\d+")
+#: A top name scope that names a tower (`tower_0`, `clone_1`, `replica_2`, `gpu_3`).
+_TOWER_SCOPE = re.compile(r"(?:tower|clone|replica|gpu|GPU)_?\d+")
+#: TensorFlow's suffix making a repeated scope name unique (`net_1`: tower 1's `net`).
+_UNIQUIFIED = re.compile(r"_\d+$")
 
 
 def unsynced_layers(report: Report) -> list[tuple[str, str]]:
     """(layer, why) of every batch-norm layer the report lists as skipped, once per layer: a
-    skipped op's name less its tower scope and its own name (`tower_1/net/bn3/FusedBatchNormV3`
-    and `tower_0/net/bn3/FusedBatchNormV3` are `net/bn3`), a function body by its name."""
+    skipped op's name less its tower scope (or TensorFlow's `_k` suffix on its top scope) and
+    its own name (`tower_1/net/bn3/FusedBatchNormV3` and `net_1/bn3/FusedBatchNormV3` are
+    `net/bn3`), a function body by its name."""
     found: dict[str, str] = {}
     for skip in report.skipped:
         parts = skip["node"].split("/")
         if len(parts) > 2 and (parts[0] in report.towers or _TOWER_SCOPE.fullmatch(parts[0])):
             parts = parts[1:]
+        elif len(parts) > 1:
+            parts[0] = _UNIQUIFIED.sub("", parts[0])
         parts = parts[:-1] if len(parts) > 1 else parts
         if len(parts) > 1 and parts[-1] == "moments":
             parts = parts[:-1]
