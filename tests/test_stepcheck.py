@@ -396,17 +396,23 @@ def test_a_layer_left_unsynchronized_fails_the_check_named(capsys, tmp_path):
     assert_one_error_line(subprocess.CompletedProcess([], 13, "", capsys.readouterr().err), 13, UNSYNCED)
 
 
-def test_a_checkpoint_of_another_model_with_the_same_names(capsys, tmp_path):
-    """verify --checkpoint of a model whose variables have the same names but other shapes: exit 1
-    with the variable and both shapes."""
+def test_a_step_without_updates_and_a_checkpoint_of_another_model(capsys, tmp_path):
+    """verify --step of an op that runs no moving-average update: passes, saying so; --checkpoint
+    of a model whose variables have the same names but other shapes: exit 1 with the variable and
+    both shapes."""
     from bnrewrite.cli import main
 
     graph = build_towers(Spec()).graph
+    path = write_meta(tmp_path, graph)
+    assert main(["verify", path, "--step", "apply_gradients"]) == 0  # the optimizer alone: reported, passes
+    out = capsys.readouterr().out
+    assert out.startswith("verified 2 layers x 2 towers on /device:CPU:0..1: worst ") and \
+        "), 4 moving statistic(s) not updated: the script's step does not run their updates" in out, out
     other = build_towers(Spec(channels=2)).graph  # conv1/kernel of 2 input channels, not 3
     with other.as_default(), tf.compat.v1.Session(graph=other, config=session_config(2)) as sess:
         sess.run("init")
         prefix = tf.compat.v1.train.Saver().save(sess, str(tmp_path / "other.ckpt"))
-    assert main(["verify", write_meta(tmp_path, graph), "--checkpoint", prefix]) == 1
+    assert main(["verify", path, "--checkpoint", prefix]) == 1
     assert_one_error_line(subprocess.CompletedProcess([], 1, "", capsys.readouterr().err), 1,
                           r"--checkpoint .*other.ckpt: variable \S*conv1/\S+ is float32 of shape \[3, 3, 2, \d+\] there "
                           r"but float32 of shape \[3, 3, 3, \d+\] in the model; give the checkpoint this model's Saver wrote")

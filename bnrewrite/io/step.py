@@ -55,7 +55,7 @@ def run_step(entry: Entry, report: Report, checkpoint: str | None = None, batch:
     ops = _targets(graph, report, targets)
     ran = {op.name for op in _upstream(graph, ops)} & {u.node for row in report.layers for u in row.moving}
     fetches = check.fetches(ran)
-    needed = _upstream(graph, ops + [graph.get_tensor_by_name(n).op for n in fetches])
+    needed = _upstream(graph, ops + [graph.get_tensor_by_name(n).op for n in fetches + check.before])
     feed = _feed([op for op in needed if op.outputs and op.outputs[0].name not in check.snapshots], batch)
     config = tf.compat.v1.ConfigProto(device_count={"CPU": cpus}, allow_soft_placement=True,
                                       inter_op_parallelism_threads=2, intra_op_parallelism_threads=1)
