@@ -64,7 +64,9 @@ class UnsyncedLayerError(TowerMismatchError):
     line up, or sits where the rewrite cannot reach): the towers would not train like one
     device, so the graph is refused as a whole unless allow_unsynced / --allow-unsynced.
 
-    A TowerMismatchError (same exit code, 7): some layer does not line up across the towers."""
+    A TowerMismatchError (same exit code, 7): some layer does not line up across the towers.
+    `--verify` and `bnrewrite verify` raise it too for a layer left unsynchronized (with
+    allow_unsynced), after checking the synchronized ones."""
 
 
 class AlreadyRewrittenError(BnRewriteError):
@@ -106,3 +108,4 @@ class RemovedByRewriteError(BnRewriteError):
 
 class ForeignGraphError(BnRewriteError):
     """`RewriteResult.find` was given a graph its `to_graph()` did not build (e.g. the input graph)."""
+

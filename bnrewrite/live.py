@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from bnrewrite.arguments import check_arguments
 from bnrewrite.errors import (
@@ -427,10 +427,14 @@ def _patch(module: Any) -> None:
                 shadow.refuse_missing(t.op.name for t in fetch_list)
                 shadow.refuse_missing((t.deref().op.name for t in feed_dict), fed=True)
             first = shadow.first_step
-            if (first is not None and handle is None
-                    and first.covers([op.name for op in target_list] + [t.op.name for t in fetch_list])):
-                shadow.first_step = None
-                return _checked_step(self, shadow, first, target_list, fetch_list, feed_dict, options, run_metadata)
+            if first is not None:
+                names = [op.name for op in target_list] + [t.op.name for t in fetch_list]
+                if first.trains_with(names) and _claim(shadow, first):
+                    if handle is None:
+                        return _checked_step(self, shadow, first, names, target_list, fetch_list, feed_dict, options,
+                                             run_metadata)
+                    _not_verified(shadow, first, "its first training step runs through partial_run, to which the "
+                                                 "check cannot add its fetches")
         return do_run(self, handle, target_list, fetch_list, feed_dict, options, run_metadata)
 
     base.__init__, base._extend_graph, base._do_run = __init__, _extend_graph, _do_run
@@ -487,10 +491,43 @@ def _move(session: Any, shadow: Shadow) -> None:
     session._bnrewrite_shadow = shadow
 
 
-def _checked_step(session: Any, shadow: Shadow, first: Any, target_list: Any, fetch_list: Any, feed_dict: Any,
-                  options: Any, run_metadata: Any) -> list[Any]:
+
+
+def _claim(shadow: Shadow, first: Any) -> bool:
+    """Take `first` as the one step to check, unless another thread took it already."""
+    with shadow.lock:
+        if shadow.first_step is not first:
+            return False
+        shadow.first_step = None
+        return True
+
+
+def _not_verified(shadow: Shadow, first: Any, why: str) -> None:
+    """Say that graph's check saw nothing (failing first if a layer is unsynchronized)."""
+    from bnrewrite.errors import UnsyncedLayerError
+
+    try:
+        first.check.require_synced()
+    except UnsyncedLayerError as exc:
+        _failed(shadow, exc)
+    _record_verdict(shadow.number, {"passed": None, "why": why})
+    _note(shadow.options, f"graph {shadow.number}: nothing verified: {why}")
+
+
+def _failed(shadow: Shadow, exc: Any) -> NoReturn:
+    """Record a failed check and stop the script (`bnrewrite run`) or raise it."""
+    _record_verdict(shadow.number, {"passed": False, "error": str(exc)})
+    if shadow.options.exit_on_refusal:
+        print(f"bnrewrite: error: graph {shadow.number}: the first step failed its check, the script is stopped: "
+              f"{exc}", file=sys.stderr, flush=True)
+        raise SystemExit(exc.exit_code) from None
+    raise exc
+
+
+def _checked_step(session: Any, shadow: Shadow, first: Any, names: list[str], target_list: Any, fetch_list: Any,
+                  feed_dict: Any, options: Any, run_metadata: Any) -> list[Any]:
     """The script's run, as BaseSession._do_run makes it, with the first step's check around it."""
-    from bnrewrite.errors import PassError
+    from bnrewrite.errors import PassError, UnsyncedLayerError
 
     feeds = {t.deref()._as_tf_output(): v for t, v in feed_dict.items()}
     fetches = [t._as_tf_output() for t in fetch_list]
@@ -504,14 +541,9 @@ def _checked_step(session: Any, shadow: Shadow, first: Any, target_list: Any, fe
         return session._do_call(run)
 
     try:
-        values, verdict = first.run(session, step)
-    except PassError as exc:
-        _record_verdict(shadow.number, {"passed": False, "error": str(exc)})
-        if shadow.options.exit_on_refusal:
-            print(f"bnrewrite: error: graph {shadow.number}: the first step failed its check, the script is stopped: "
-                  f"{exc}", file=sys.stderr, flush=True)
-            raise SystemExit(exc.exit_code) from None
-        raise
+        values, verdict = first.run(session, step, names)
+    except (PassError, UnsyncedLayerError) as exc:
+        _failed(shadow, exc)
     _record_verdict(shadow.number, {"passed": True, **verdict.to_dict()})
     _note(shadow.options, f"graph {shadow.number}: {verdict.line()}")
     if shadow.options.verbose:
@@ -593,8 +625,9 @@ def _decide(graph: Any, config: Any, options: LiveOptions, again: bool = False) 
     if unsynced:
         print(f"bnrewrite: warning: graph {number}: {len(report.skipped)} batch-norm op(s) run UNSYNCHRONIZED "
               f"(--allow-unsynced): {unsynced}", file=sys.stderr, flush=True)
-    if shadow.first_step is not None and not shadow.first_step.check.layers:  # nothing the check can fetch
-        not_checked = shadow.first_step.check.not_checked
+    check = shadow.first_step.check if shadow.first_step is not None else None
+    if check is not None and not check.layers and not check.unsynced:  # nothing the check can fetch
+        not_checked = check.not_checked
         shadow.first_step = None
         _record_verdict(number, {"passed": None, "not_checked": not_checked})
         _note(options, f"graph {number}: nothing verified: its {len(not_checked)} layer(s) are inside function "

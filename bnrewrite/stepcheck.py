@@ -11,19 +11,23 @@ with its real training step in the same run (fed `feed(before values)`), and `af
 read-only run; `evaluate` then checks in numpy (float64) that the rewrite's
 global moments are those of all towers' inputs together, every tower's output matches, and each
 moving statistic equals one application of its kept update, which moves it by one factor for
-all channels toward the global statistic. Only a few numbers per layer leave the devices.
-Invariant: a check that passes has seen every value it vouches for; one that fails raises
-PassError naming the layer, the tower and the figure.
+all channels toward the global statistic; one whose update the step does not run (the script's
+own wiring) must be unchanged, and is reported as not updated. Only a few numbers per layer
+leave the devices. Invariant: a check that passes has seen every value it vouches for and every
+training batch-norm layer of the graph is synchronized; one that fails raises PassError naming
+the layer, the tower and the figure, or UnsyncedLayerError naming the layers the rewrite skipped.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from bnrewrite.errors import PassError
+from bnrewrite.errors import PassError, UnsyncedLayerError
 from bnrewrite.report import LayerRow, Report
 
 SCOPE = "bnrewrite_verify"
@@ -85,6 +89,7 @@ class LayerVerdict:
     figures: dict[str, float]  # the worst of each figure over the towers, relative
     updates: list[str]  # one phrase per moving statistic
     unchecked: list[str]
+    not_updated: list[str] = field(default_factory=list)  # moving statistics whose update the step does not run
 
     def line(self) -> str:
         figures = ", ".join(f"{k} {v:.1e}" for k, v in self.figures.items())
@@ -102,16 +107,25 @@ class Verdict:
 
     def line(self, where: str = "") -> str:
         head = f"verified {len(self.layers)} layers x {len(self.towers)} towers on {_devices(self.towers)}"
-        moving = "moving statistics updated once" if any(v.updates for v in self.layers) else "no moving statistics updated"
-        line = f"{head}{' (' + where + ')' if where else ''}: worst {self.worst:.1e} ({self.worst_at}), {moving}"
+        line = f"{head}{' (' + where + ')' if where else ''}: worst {self.worst:.1e} ({self.worst_at}), {self.moving()}"
         if self.not_checked:
             line += f"; {len(self.not_checked)} layer(s) not checked (inside function bodies: {', '.join(self.not_checked)})"
         return line
 
+    def moving(self) -> str:
+        """What the step did to the moving statistics, in words."""
+        updated = sum(len(v.updates) - len(v.not_updated) for v in self.layers)
+        idle = sum(len(v.not_updated) for v in self.layers)
+        if not idle:
+            return "moving statistics updated once" if updated else "no moving statistics updated"
+        why = (f"{idle} moving statistic(s) not updated: the script's step does not run their updates "
+               "(its own wiring, kept as it is; add them to the train op, e.g. tf.GraphKeys.UPDATE_OPS)")
+        return f"moving statistics updated once, {why}" if updated else why
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "layers": [{"layer": v.layer, "towers": v.towers, "figures": v.figures, "updates": v.updates,
-                        "unchecked": v.unchecked} for v in self.layers],
+                        "unchecked": v.unchecked, "not_updated": v.not_updated} for v in self.layers],
             "towers": self.towers, "worst": self.worst, "worst_at": self.worst_at, "not_checked": self.not_checked,
         }
 
@@ -128,27 +142,55 @@ class StepCheck:
     layers: list[_Layer]
     not_checked: list[str]
     #: placeholder of the check -> the `before` read it is fed: a reference variable's value as the
-    #: step's forward pass read it (its read aliases the buffer the step's optimizer updates)
+    #: step's forward pass read it (its read aliases the buffer the step's optimizer updates). Fed,
+    #: never fetched: TensorFlow's C API refuses a tensor both fed and fetched.
     snapshots: dict[str, str] = field(default_factory=dict)
+    #: (layer, why) of each training batch-norm layer the rewrite skipped, in the report's order
+    unsynced: list[tuple[str, str]] = field(default_factory=list)
 
     def feed(self, before_values: Sequence[Any]) -> dict[str, Any]:
         """What to add to the step's feed, from the values of the `before` run."""
         before = dict(zip(self.before, before_values))
         return {placeholder: before[read] for placeholder, read in self.snapshots.items()}
 
-    def evaluate(self, before_values: Sequence[Any], step_values: Sequence[Any], after_values: Sequence[Any]) -> Verdict:
-        """Raises PassError naming the layer, tower and figure of the first check that fails."""
+    def fetches(self, ran: Collection[str] | None = None) -> list[str]:
+        """`step`, less the values of the kept updates not in `ran` (the update ops the step runs;
+        None: all of them), which the step would otherwise compute for the check alone."""
+        if ran is None:
+            return list(self.step)
+        idle = {u.value for layer in self.layers for u in layer.updates if u.node not in ran}
+        return [name for name in self.step if name not in idle]
+
+    def evaluate(self, before_values: Sequence[Any], step_values: Sequence[Any], after_values: Sequence[Any],
+                 ran: Collection[str] | None = None) -> Verdict:
+        """`step_values` are those of `fetches(ran)`. Raises PassError naming the layer, tower and
+        figure of the first check that fails, then UnsyncedLayerError if a layer was skipped."""
         before = dict(zip(self.before, before_values))
-        step = dict(zip(self.step, step_values))
+        step = dict(zip(self.fetches(ran), step_values))
+        step.update({placeholder: before[read] for placeholder, read in self.snapshots.items()})
         after = dict(zip(self.after, after_values))
         verdicts, worst, worst_at = [], 0.0, ""
         for layer in self.layers:
-            verdict = _evaluate_layer(layer, before, step, after)
+            verdict = _evaluate_layer(layer, before, step, after, ran)
             verdicts.append(verdict)
             for name, value in verdict.figures.items():
                 if value >= worst:
                     worst, worst_at = value, f"{layer.row.layer}/{name}"
-        return Verdict(verdicts, self.towers, worst, worst_at, self.not_checked)
+        verdict = Verdict(verdicts, self.towers, worst, worst_at, self.not_checked)
+        self.require_synced(verdict)
+        return verdict
+
+    def require_synced(self, verdict: Verdict | None = None) -> None:
+        """UnsyncedLayerError naming every layer the rewrite left unsynchronized, if any, with what
+        was verified of the others (`verdict`)."""
+        if not self.unsynced:
+            return
+        total = len(self.layers) + len(self.not_checked) + len(self.unsynced)
+        named = "; ".join(f"{layer} ({why})" for layer, why in self.unsynced)
+        rest = f"; the {len(verdict.layers)} synced: {verdict.line()}" if verdict is not None and verdict.layers else ""
+        raise UnsyncedLayerError(
+            f"step check failed: {len(self.unsynced)} of {total} training batch-norm layers are not synchronized, "
+            f"their towers normalize with their own batch statistics: {named}{rest}")
 
 
 def build(graph: Any, report: Report) -> StepCheck:
@@ -171,7 +213,8 @@ def build(graph: Any, report: Report) -> StepCheck:
                     tower = _tower_ops(graph, row, tensors, snapshots)
                 towers.append(tower)
                 step.extend(n for n in (tower.sums, tower.squares, tower.count, tower.mean, tower.variance, tower.largest,
-                                        tower.worst, tower.scale, tower.offset) if isinstance(n, str) and n)
+                                        tower.worst, tower.scale, tower.offset) if isinstance(n, str) and n
+                            and n not in snapshots)
             updates = []
             names = {u.node for u in row.moving}
             for moving in row.moving:
@@ -187,7 +230,32 @@ def build(graph: Any, report: Report) -> StepCheck:
     step = list(dict.fromkeys(step))
     after = list(before)
     before.extend(dict.fromkeys(snapshots.values()))
-    return StepCheck(before, step, after, list(report.towers), layers, not_checked, snapshots)
+    return StepCheck(before, step, after, list(report.towers), layers, not_checked, snapshots, unsynced_layers(report))
+
+
+#: A top name scope that names a tower (`tower_0`, `clone_1`, `replica_2`, `gpu_3`).
+_TOWER_SCOPE = re.compile(r"(?:tower|clone|replica|gpu|GPU)_?\d+")
+#: TensorFlow's suffix making a repeated scope name unique (`net_1`: tower 1's `net`).
+_UNIQUIFIED = re.compile(r"_\d+$")
+
+
+def unsynced_layers(report: Report) -> list[tuple[str, str]]:
+    """(layer, why) of every batch-norm layer the report lists as skipped, once per layer: a
+    skipped op's name less its tower scope (or TensorFlow's `_k` suffix on its top scope) and
+    its own name (`tower_1/net/bn3/FusedBatchNormV3` and `net_1/bn3/FusedBatchNormV3` are
+    `net/bn3`), a function body by its name."""
+    found: dict[str, str] = {}
+    for skip in report.skipped:
+        parts = skip["node"].split("/")
+        if len(parts) > 2 and (parts[0] in report.towers or _TOWER_SCOPE.fullmatch(parts[0])):
+            parts = parts[1:]
+        elif len(parts) > 1:
+            parts[0] = _UNIQUIFIED.sub("", parts[0])
+        parts = parts[:-1] if len(parts) > 1 else parts
+        if len(parts) > 1 and parts[-1] == "moments":
+            parts = parts[:-1]
+        found.setdefault("/".join(parts), skip["reason"])
+    return list(found.items())
 
 
 def _tensor(graph: Any, name: str) -> Any:
@@ -273,7 +341,8 @@ def _derived(op: Any, others: set[str]) -> bool:
     return False
 
 
-def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any], after: dict[str, Any]) -> LayerVerdict:
+def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any], after: dict[str, Any],
+                    ran: Collection[str] | None) -> LayerVerdict:
     row = layer.row
     value = {name: np.asarray(v, np.float64).reshape(-1) for name, v in step.items()}
     moments = _group_moments(layer, value)
@@ -299,10 +368,16 @@ def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any],
             _require(figure <= tolerance, f"layer {row.layer}, tower {t.tower}: {what} is off by {figure:.2e} "
                                           f"(allowed {tolerance:.1e})")
             figures[name] = max(figures.get(name, 0.0), float(figure))
-    updates = []
+    updates, not_updated = [], []
     for u in layer.updates:
         old = np.asarray(before[u.read], np.float64)
         new = np.asarray(after[u.read], np.float64)
+        if ran is not None and u.node not in ran:
+            _require(np.array_equal(old, new), (
+                f"layer {row.layer}: {u.variable} changed in a step that runs none of its kept updates ({u.node})"))
+            not_updated.append(u.variable)
+            updates.append(f"{_short(u.variable)} not updated (the step does not run {u.node})")
+            continue
         written = value[u.value] if u.sign == 0 else old + u.sign * value[u.value]
         once = float(np.max(np.abs(new - written) / (np.abs(old) + np.abs(written) + _TINY)))
         _require(once <= moments_tolerance, (
@@ -318,7 +393,7 @@ def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any],
             f"channel: off by {residual:.2e} relative at factor {factor:.3g} (allowed {moments_tolerance:.1e})"))
         figures["moving"] = max(figures["moving"], residual)
         updates.append(f"{_short(u.variable)} once toward the global {name} (factor {factor:.3g})")
-    return LayerVerdict(row.layer, len(layer.towers), figures, updates, unchecked)
+    return LayerVerdict(row.layer, len(layer.towers), figures, updates, unchecked, not_updated)
 
 
 def _group_moments(layer: _Layer, value: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray, float]]:

@@ -7,6 +7,7 @@ device fed K*B (one_device_run), and the same graph without bnrewrite missing it
 
 import collections
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -259,3 +260,100 @@ def test_mirrored_strategy_graph_under_enable():
         synced = train(built.graph, built, data, num_devices=2)
     assert_synced("MirroredStrategy under enable()", synced, train(plain.graph, plain, data, num_devices=2), expected,
                   1e-4)
+
+
+def _steps(spec: Spec, built, batches: list, first=None, step=None):
+    """models.train's loop on the script's own graph, with `first(sess, feed)` run before the
+    first step and `step(sess, feed) -> loss` in place of sess.run([train_op, loss], feed)."""
+    from models import Result
+
+    graph = built.graph
+    train_op, loss = graph.get_operation_by_name(built.train_op), graph.get_tensor_by_name(built.loss)
+    losses = []
+    with tf1.Session(graph=graph, config=session_config(spec.towers)) as sess:
+        sess.run(built.init)
+        for n, (images, labels) in enumerate(batches):
+            feed = {}
+            for k, (x, y) in enumerate(built.inputs):
+                feed[x], feed[y] = np.split(images, spec.towers)[k], np.split(labels, spec.towers)[k]
+            if n == 0 and first is not None:
+                first(sess, feed)
+            losses.append(step(sess, feed) if step is not None else sess.run([train_op, loss], feed)[1])
+        values = sess.run(dict(built.variables))
+    return Result(np.asarray(losses, np.float64), {k: np.asarray(v) for k, v in values.items()})
+
+
+def _partial_step(built):
+    """One training step through partial_run: the loss first, then a tensor run after the train op
+    (partial_run fetches tensors only)."""
+    graph = built.graph
+    loss = graph.get_tensor_by_name(built.loss)
+    with graph.as_default(), tf.control_dependencies([graph.get_operation_by_name(built.train_op)]):
+        trained = tf.constant(True)
+
+    def step(sess, feed):
+        handle = sess.partial_run_setup([loss, trained], list(feed))
+        value = sess.partial_run(handle, loss, feed)
+        assert sess.partial_run(handle, trained)
+        return value
+    return step
+
+
+COND_V1 = Spec(towers=2, batch=2, layer="legacy_cond_v1")
+VERIFIED = "verified 2 layers x 2 towers on /device:CPU:0..1: worst "
+#: name: (spec, build, first(built) -> run before the first step, step(built), what --verify says).
+#: Reference variables (a snapshot fed, never fetched) are slim's in test_run.py's summary threads.
+STEP_CASES = {
+    "initial loss fetched first": (SPEC, build_towers, lambda b: lambda sess, feed: sess.run(b.loss, feed), None,
+                                   VERIFIED + r".*, moving statistics updated once$"),
+    "cond v1 evaluation pass first": (
+        COND_V1, build_towers, lambda b: lambda sess, feed: sess.run(b.loss, {**feed, "is_training:0": False}), None,
+        VERIFIED + r".*, moving statistics updated once$"),
+    "partial_run": (SPEC, build_towers, None, _partial_step,
+                    r": nothing verified: its first training step runs through partial_run, to which the check "
+                    "cannot add its fetches$"),
+}
+
+
+@pytest.mark.parametrize("case", STEP_CASES)
+def test_verify_checks_the_training_step(case, capsys):
+    """The checked step is the script's first training run, whatever forward-only runs come first
+    (an initial loss, an evaluation pass through a v1 cond, whose training branch is dead); a step
+    through partial_run is named unverified. Every one trains like one device."""
+    spec, build, first, step, said = STEP_CASES[case]
+    built = build(spec)
+    with bnrewrite.enabled(verify=True):
+        got = _steps(spec, built, make_batches(spec, 2), first and first(built), step and step(built))
+    lines = [line for line in capsys.readouterr().err.splitlines() if "verif" in line]
+    assert len(lines) == 1 and re.search(said, lines[0]), lines
+    assert_synced(case, got, unrewritten_run(spec, 2), one_device_run(spec, 2), 2e-5)
+
+
+def test_a_train_op_without_moving_average_updates_is_reported_as_such(capsys):
+    """The script's train op runs the optimizer only: its moving statistics stay as initialized,
+    which --verify reports as the script's wiring (kept), not as a bnrewrite bug."""
+    built = build_towers(SPEC)
+    initial = {}
+    apply = built.graph.get_operation_by_name("apply_gradients")
+
+    def record(sess, feed):
+        initial.update(sess.run(dict(built.variables)))
+
+    def step(sess, feed):
+        return sess.run([apply, built.loss], feed)[1]
+
+    with bnrewrite.enabled(verify=True):
+        got = _steps(SPEC, built, make_batches(SPEC, 2), record, step)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "verified" in line]
+    assert len(lines) == 1 and lines[0].endswith(
+        "), 4 moving statistic(s) not updated: the script's step does not run their "
+        "updates (its own wiring, kept as it is; add them to the train op, e.g. tf.GraphKeys.UPDATE_OPS)"), lines
+    moving = [name for name in got.variables if "moving_" in name]
+    assert len(moving) == 4
+    for name in moving:
+        np.testing.assert_array_equal(got.variables[name], initial[name])
+
+    def trained(result):
+        return dataclasses.replace(result, variables={k: v for k, v in result.variables.items() if k not in moving})
+
+    assert_synced("no updates", trained(got), trained(unrewritten_run(SPEC, 2)), trained(one_device_run(SPEC, 2)), 2e-5)

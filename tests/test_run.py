@@ -62,6 +62,8 @@ def runs(tmp_path_factory):
                         "--batch_size", str(B), "--train_dir", "slim"], out),
         "in_place": _start([os.path.join(SCRIPTS, "in_place_train.py"), "--num_gpus", str(K), "--batch_size", str(B),
                             "--train_dir", "in_place"], out),
+        "threads": _start(["-m", "bnrewrite", "run", "--verify", os.path.join(SCRIPTS, "summary_threads.py"),
+                           os.path.join(out, "synced"), str(K * B), str(K)], out),
     }
     done = {name: _finish(process) for name, process in started.items()}
     for name, result in done.items():
@@ -97,6 +99,23 @@ def test_run_reports_every_graph_and_runs_the_eval_graph_unchanged(runs):
         assert graphs[number - 1]["verify"]["passed"] and graphs[number - 1]["verify"]["worst"] < 1e-5
     assert "bnrewrite: graph 4 runs unchanged: all 2 batch-norm ops are in inference mode" in stderr
     assert "eval loss" in done["three"].stdout  # the synced checkpoint restores into an un-rewritten graph
+
+
+def test_verify_checks_the_training_step_not_a_summary_threads_fetch(runs):
+    """train.Supervisor and slim.learning.train (model_deploy clones, reference variables) each run a
+    forward-only summary thread that fetches the loss before the first step: --verify checks the
+    training step, and the towers train like one device (the summary thread runs unchanged)."""
+    out, done, _ = runs
+    stderr = done["threads"].stderr
+    for number in (1, 2):
+        assert f"bnrewrite: graph {number}: verified 2 layers x {K} towers on /device:GPU:0..1: worst " in stderr, stderr
+    assert "moving statistics updated once" in stderr and "bnrewrite: error" not in stderr
+    for name in ("supervisor", "slim"):
+        expected = dict(np.load(os.path.join(out, "plain", f"{name}_1.npz")))
+        error = _error(dict(np.load(os.path.join(out, "synced", f"{name}_{K}.npz"))), expected)
+        unsynced = _error(dict(np.load(os.path.join(out, "plain", f"{name}_{K}.npz"))), expected)
+        print(f"{name}: synced {error:.2e}, unsynced {unsynced:.2e}")
+        assert error < 1e-5 and unsynced > 1e-2
 
 
 def test_refused_graph_stops_the_script_before_its_first_step(tmp_path):

@@ -11,6 +11,8 @@ checkpoint, and models verify cannot feed or initialize.
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import warnings
 
 import numpy as np
@@ -331,3 +333,86 @@ def test_channels_whose_mean_is_near_zero_or_far_from_it_pass(means):
     verdict = check.evaluate(before, values, after)
     assert "moving_mean once toward the global mean (factor 0.01)" in verdict.layers[0].line()
     assert verdict.worst < 2e-6
+
+
+def _towers_with_a_layer_built_apart() -> tuple[tf.Graph, list[str]]:
+    """2 towers on /cpu:k sharing two legacy batch norms, the second built with another epsilon in
+    tower 1 (its copies do not line up: the rewrite skips it), averaged gradients, UPDATE_OPS in
+    the train op; the graph and its input placeholders."""
+    from tf_keras.src.legacy_tf_layers import normalization
+
+    graph = tf.Graph()
+    with graph.as_default(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+        inputs, grads = [], []
+        for k in range(2):
+            with tf.device(f"/cpu:{k}"), tf.name_scope(f"tower_{k}"), tf.compat.v1.variable_scope("net", reuse=k > 0):
+                x = tf.compat.v1.placeholder(tf.float32, [4, 3, 3, 2], name="x")
+                y = normalization.batch_normalization(x, training=True, name="bn1")
+                y = normalization.batch_normalization(y, training=True, epsilon=1e-3 * 10**k, name="bn2")
+                loss = tf.reduce_sum(y * tf.constant([1.0, -2.0]), name="loss")
+                grads.append(opt.compute_gradients(loss))
+                inputs.append(x.name)
+        averaged = [(tf.add_n([g for g, _ in pair]) / 2.0, pair[0][1]) for pair in zip(*grads)]
+        tf.group(opt.apply_gradients(averaged), *tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS),
+                 name="train_op")
+        tf.compat.v1.global_variables_initializer()
+    return graph, inputs
+
+
+UNSYNCED = (r"step check failed: 1 of 2 training batch-norm layers are not synchronized, their towers normalize with "
+            r"their own batch statistics: net/bn2 \(epsilon differs between towers .*\); the 1 synced: verified 1 "
+            r"layers x 2 towers")
+
+
+def test_a_layer_left_unsynchronized_fails_the_check_named(capsys, tmp_path):
+    """enable(verify=True, allow_unsynced=True, exit_on_refusal=True) (as run --verify --allow-unsynced
+    runs it) and verify MODEL: the line counts the layer the rewrite skipped and fails on it
+    (UnsyncedLayerError, exit 7)."""
+    import bnrewrite
+    from bnrewrite.cli import main
+    from bnrewrite.errors import UnsyncedLayerError
+
+    graph, inputs = _towers_with_a_layer_built_apart()
+    assert {s["node"] for s in rewrite_graph(graph).report.skipped} == {"tower_0/net/bn2/FusedBatchNormV3",
+                                                                         "tower_1/net/bn2/FusedBatchNormV3"}
+    feed = {x: np.random.default_rng(k).standard_normal([4, 3, 3, 2]) for k, x in enumerate(inputs)}
+    loss = graph.get_tensor_by_name("tower_0/net/loss:0").name
+    try:
+        bnrewrite.enable(verify=True, allow_unsynced=True, exit_on_refusal=True)
+        with tf.compat.v1.Session(graph=graph, config=session_config(2)) as sess:
+            sess.run("init")
+            sess.run(loss, feed)  # forward only: not the step
+            with pytest.raises(SystemExit) as error:
+                sess.run("train_op", feed)
+    finally:
+        bnrewrite.disable()
+    assert error.value.code == UnsyncedLayerError.exit_code == 7
+    assert re.search(r"bnrewrite: error: graph \d+: the first step failed its check, the script is stopped: " + UNSYNCED,
+                     capsys.readouterr().err.splitlines()[-1])
+    path = write_meta(tmp_path, _towers_with_a_layer_built_apart()[0])
+    assert main(["verify", path]) == 7
+    assert_one_error_line(subprocess.CompletedProcess([], 13, "", capsys.readouterr().err), 13, UNSYNCED)
+
+
+def test_a_step_without_updates_and_a_checkpoint_of_another_model(capsys, tmp_path):
+    """verify --step of an op that runs no moving-average update: passes, saying so; --checkpoint
+    of a model whose variables have the same names but other shapes: exit 1 with the variable and
+    both shapes."""
+    from bnrewrite.cli import main
+
+    graph = build_towers(Spec()).graph
+    path = write_meta(tmp_path, graph)
+    assert main(["verify", path, "--step", "apply_gradients"]) == 0  # the optimizer alone: reported, passes
+    out = capsys.readouterr().out
+    assert out.startswith("verified 2 layers x 2 towers on /device:CPU:0..1: worst ") and \
+        "), 4 moving statistic(s) not updated: the script's step does not run their updates" in out, out
+    other = build_towers(Spec(channels=2)).graph  # conv1/kernel of 2 input channels, not 3
+    with other.as_default(), tf.compat.v1.Session(graph=other, config=session_config(2)) as sess:
+        sess.run("init")
+        prefix = tf.compat.v1.train.Saver().save(sess, str(tmp_path / "other.ckpt"))
+    assert main(["verify", path, "--checkpoint", prefix]) == 1
+    assert_one_error_line(subprocess.CompletedProcess([], 1, "", capsys.readouterr().err), 1,
+                          r"--checkpoint .*other.ckpt: variable \S*conv1/\S+ is float32 of shape \[3, 3, 2, \d+\] there "
+                          r"but float32 of shape \[3, 3, 3, \d+\] in the model; give the checkpoint this model's Saver wrote")

@@ -53,7 +53,9 @@ def run_step(entry: Entry, report: Report, checkpoint: str | None = None, batch:
         tf.compat.v1.import_graph_def(graph_def, name="")
     check = stepcheck.build(graph, report)
     ops = _targets(graph, report, targets)
-    needed = _upstream(graph, ops + [graph.get_tensor_by_name(n).op for n in check.step])
+    ran = {op.name for op in _upstream(graph, ops)} & {u.node for row in report.layers for u in row.moving}
+    fetches = check.fetches(ran)
+    needed = _upstream(graph, ops + [graph.get_tensor_by_name(n).op for n in fetches + check.before])
     feed = _feed([op for op in needed if op.outputs and op.outputs[0].name not in check.snapshots], batch)
     config = tf.compat.v1.ConfigProto(device_count={"CPU": cpus}, allow_soft_placement=True,
                                       inter_op_parallelism_threads=2, intra_op_parallelism_threads=1)
@@ -61,11 +63,11 @@ def run_step(entry: Entry, report: Report, checkpoint: str | None = None, batch:
         try:
             _initialize(sess, graph, needed, checkpoint)
             before = sess.run(check.before)
-            values = sess.run(ops + check.step, {**feed, **check.feed(before)})[len(ops):]
+            values = sess.run(ops + fetches, {**feed, **check.feed(before)})[len(ops):]
             after = sess.run(check.after)
         except tf.errors.OpError as exc:
             raise BnRewriteError(f"the checked step failed in TensorFlow: {one_line(exc.message, 300)}") from None
-    return check.evaluate(before, values, after)
+    return check.evaluate(before, values, after, ran)
 
 
 def _targets(graph: Any, report: Report, names: list[str] | None) -> list[Any]:
@@ -171,7 +173,14 @@ def _initialize(sess: Any, graph: Any, needed: list[Any], checkpoint: str | None
         except (tf.errors.OpError, ValueError) as exc:
             raise BnRewriteError(f"--checkpoint {checkpoint}: cannot read it ({one_line(str(exc), 200)}); "
                                  "give a checkpoint prefix (the path before .index)") from None
-        shapes = reader.get_variable_to_shape_map()
+        shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
+        for op in variables:  # a checkpoint of another model can hold the same names
+            shape, dtype = tf.TensorShape(op.get_attr("shape")), op.get_attr("dtype").base_dtype
+            if op.name in shapes and (dtypes[op.name].base_dtype != dtype or not shape.is_compatible_with(shapes[op.name])):
+                raise BnRewriteError(
+                    f"--checkpoint {checkpoint}: variable {op.name} is {dtypes[op.name].base_dtype.name} of shape "
+                    f"{shapes[op.name]} there but {dtype.name} of shape {shape.as_list() if shape.rank is not None else '?'} "
+                    "in the model; give the checkpoint this model's Saver wrote")
         held = {op.name: reader.get_tensor(op.name) for op in variables if op.name in shapes}
         if variables and not held:
             raise BnRewriteError(f"--checkpoint {checkpoint} holds none of the step's {len(variables)} variables "

@@ -1,13 +1,15 @@
 """The oracle's two sides for examples/multi_gpu_train.py, in one process (one TensorFlow
 import): `python reference_runs.py OUT K B` runs the script unmodified as python would, with
 `--num_gpus 1 --batch_size K*B` (one device fed the whole batch, checkpoint in OUT/one_device)
-and with `--num_gpus K --batch_size B` (the towers as built, in OUT/towers)."""
+and with `--num_gpus K --batch_size B` (the towers as built, in OUT/towers); then
+tests/scripts/summary_threads.py likewise with 1 and K towers (in OUT/plain)."""
 
 import os
 import runpy
 import sys
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "multi_gpu_train.py")
+THREADS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "summary_threads.py")
 
 
 def main() -> None:
@@ -19,6 +21,8 @@ def main() -> None:
         import tensorflow as tf
 
         tf.compat.v1.reset_default_graph()
+    sys.argv = [THREADS, os.path.join(out, "plain"), str(k * b), "1", str(k)]
+    runpy.run_path(THREADS, run_name="__main__")
 
 
 if __name__ == "__main__":
