@@ -368,14 +368,15 @@ UNSYNCED = (r"step check failed: 1 of 2 training batch-norm layers are not synch
 
 def test_a_layer_left_unsynchronized_fails_the_check_named(capsys, tmp_path):
     """enable(verify=True, allow_unsynced=True, exit_on_refusal=True) (as run --verify --allow-unsynced
-    runs it) and verify MODEL: the line counts the layer the rewrite skipped and fails on it
-    (UnsyncedLayerError, exit 7)."""
+    runs it): the line counts the layer the rewrite skipped and fails on it (UnsyncedLayerError,
+    exit 7); verify MODEL refuses the model naming the layer, as convert does."""
     import bnrewrite
     from bnrewrite.cli import main
     from bnrewrite.errors import UnsyncedLayerError
 
     graph, inputs = _towers_with_a_layer_built_apart()
-    assert {s["node"] for s in rewrite_graph(graph).report.skipped} == {"tower_0/net/bn2/FusedBatchNormV3",
+    assert {s["node"] for s in rewrite_graph(graph, allow_unsynced=True).report.skipped} == {
+        "tower_0/net/bn2/FusedBatchNormV3",
                                                                          "tower_1/net/bn2/FusedBatchNormV3"}
     feed = {x: np.random.default_rng(k).standard_normal([4, 3, 3, 2]) for k, x in enumerate(inputs)}
     loss = graph.get_tensor_by_name("tower_0/net/loss:0").name
@@ -392,8 +393,9 @@ def test_a_layer_left_unsynchronized_fails_the_check_named(capsys, tmp_path):
     assert re.search(r"bnrewrite: error: graph \d+: the first step failed its check, the script is stopped: " + UNSYNCED,
                      capsys.readouterr().err.splitlines()[-1])
     path = write_meta(tmp_path, _towers_with_a_layer_built_apart()[0])
-    assert main(["verify", path]) == 7
-    assert_one_error_line(subprocess.CompletedProcess([], 13, "", capsys.readouterr().err), 13, UNSYNCED)
+    assert main(["verify", path]) == 7  # refused as convert refuses it, before any step
+    assert_one_error_line(subprocess.CompletedProcess([], 7, "", capsys.readouterr().err), 7,
+                          r"tower_0/net/bn2/FusedBatchNormV3: epsilon differs between towers")
 
 
 def test_a_step_without_updates_and_a_checkpoint_of_another_model(capsys, tmp_path):
