@@ -237,7 +237,14 @@ def attach(graph: Any, rewrite: Callable[[Any], Any]) -> Any:
 def _open_sessions(graph: Any) -> list[Any]:
     from tensorflow.python.client.session import BaseSession
 
-    return [o for o in gc.get_referrers(graph) if isinstance(o, BaseSession) and not o._closed]
+    sessions = []
+    for referrer in gc.get_referrers(graph):
+        if isinstance(referrer, dict) and referrer.get("_graph") is graph and "_closed" in referrer:
+            # A session whose attributes Python keeps in a dict of their own refers to the graph through it.
+            sessions += [o for o in gc.get_referrers(referrer) if getattr(o, "__dict__", None) is referrer]
+        else:
+            sessions.append(referrer)
+    return [o for o in sessions if isinstance(o, BaseSession) and not o._closed]
 
 
 def _shadow(count: int, result: Any, number: int = 0, options: LiveOptions | None = None) -> Shadow:
