@@ -179,3 +179,25 @@ def test_a_network_applied_twice_in_each_tower_is_refused_with_the_reason():
     assert [row.layer for row in partial.report.layers] == ["generator/batch_normalization"]
     assert {s["node"] for s in partial.report.skipped} == {
         f"tower_{k}/discriminator{a}/batch_normalization/FusedBatchNormV3" for k in (0, 1) for a in ("", "_1")}
+
+
+def test_value_free_walk_ends_on_a_loop():
+    """A v1 while loop's Merge reads its own NextIteration: the walk that tells gradient seeds
+    (values made of constants and shapes alone) from data ends there, counting the loop as data."""
+    from tensorflow.python.ops import control_flow_util
+
+    from bnrewrite.graph import Graph
+    from bnrewrite.match.data_parallel import _value_free
+
+    graph, v2 = tf.Graph(), control_flow_util.ENABLE_CONTROL_FLOW_V2
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = False
+    try:
+        with graph.as_default():
+            counted = tf.compat.v1.while_loop(lambda i: i < 3, lambda i: i + 1, [tf.constant(0)])
+            shape = tf.shape(tf.compat.v1.placeholder(tf.float32, [None, 3]))
+    finally:
+        control_flow_util.ENABLE_CONTROL_FLOW_V2 = v2
+    model = Graph.from_graph_def(graph.as_graph_def())
+    merge = next(n.name for n in model if n.op == "Merge")
+    assert _value_free(model, merge, {}) is False and _value_free(model, counted.op.name, {}) is False
+    assert _value_free(model, shape.op.name, {}) is True

@@ -127,7 +127,7 @@ def _ancestors(graph: Graph, starts: set[str], value_free: dict[str, bool], seed
 
 def _value_free(graph: Graph, name: str, memo: dict[str, bool]) -> bool:
     """Whether `name`'s output is made from constants and shapes alone (memoized, iterative)."""
-    stack = [name]
+    stack, expanded = [name], set()
     while stack:
         current = stack[-1]
         if current in memo:
@@ -144,9 +144,10 @@ def _value_free(graph: Graph, name: str, memo: dict[str, bool]) -> bool:
             stack.pop()
             continue
         pending = [src for src in sources if src not in memo]
-        if pending:
+        if pending and current not in expanded:
+            expanded.add(current)
             stack.extend(pending)
             continue
-        memo[current] = all(memo[src] for src in sources)
-        stack.pop()
+        stack.pop()  # inputs still open on the way back wait on this node (a loop): data, not constants
+        memo[current] = not pending and all(memo[src] for src in sources)
     return memo[name]
