@@ -13,6 +13,7 @@ from bnrewrite.errors import (
     BnRewriteError,
     IndependentModelsError,
     NoTowersError,
+    NotReplicasError,
     TowerMismatchError,
     UnsyncedLayerError,
 )
@@ -88,8 +89,8 @@ def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
         raise BnRewriteError(f"group size {size} must be at least 2 and divide the number of towers ({len(towers.ids)})")
     sync_groups = tuple(towers.ids[i:i + size] for i in range(0, len(towers.ids), size))
     apart = trained_apart(graph, towers, sync_groups) if options.num_workers == 1 else ""
-    if apart:
-        raise IndependentModelsError(apart)
+    if apart:  # on one device nothing but names made them towers: separate models, run as they are
+        raise (NotReplicasError if options.tower_by == "auto" and towers.by == "scope" else IndependentModelsError)(apart)
     devices = [site.device for site in towers.groups[0].sites]
     inside = next((name for group in towers.groups for site in group.sites for name in (site.name, *site.grads)
                    if in_body(name)), "")

@@ -1,8 +1,8 @@
 """One-device programs that are not multi-tower run exactly as under python (issue 38).
 
-tests/scripts/one_device_cases.py builds eight of them the usual ways (two plain tf.layers batch
+tests/scripts/one_device_cases.py builds nine of them the usual ways (two plain tf.layers batch
 norms, layers named bn1/bn2, two streams, a Siamese net, a GAN, an encoder/decoder, a mean
-teacher, a tf_keras Sequential's fit) and trains each a few steps. Run under plain python and
+teacher, an ensemble, a tf_keras Sequential's fit) and trains each a few steps. Run under plain python and
 under `bnrewrite run`, every variable must be bit-identical, with one line per graph saying why
 it runs unchanged; in process the same through `enable()` and `rewrite_graph(g, in_place=True)`;
 `convert` refuses them with the same reason (exit 6). With `--tower-by scope` the user overrides
@@ -37,6 +37,7 @@ WHY = {
     "gan": "batch norm generator/a/batch_normalization/FusedBatchNormV3 feeds batch norm discriminator_1/",
     "encoder_decoder": "encoder/batch_normalization/FusedBatchNormV3 feeds batch norm decoder/",
     "mean_teacher": "tower teacher has no gradient of its own batch norms",
+    "ensemble": "the towers (model_a, model_b) train independent models",
     "keras_fit": "batch_normalization/cond/_fn_then/FusedBatchNormV3 feeds batch norm batch_normalization_1/",
 }
 

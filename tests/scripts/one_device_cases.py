@@ -3,7 +3,8 @@
 `python one_device_cases.py OUT.npz [CASE ...]` builds every case (or those named) in a graph of
 its own, trains it with its own session and writes every variable to OUT.npz as CASE/variable.
 Under `bnrewrite run` each graph must run exactly as under python (issue 38): layers of one model,
-two streams, a Siamese net, a GAN, an encoder/decoder, a mean teacher, a Keras Sequential's fit.
+two streams, a Siamese net, a GAN, an encoder/decoder, a mean teacher, an ensemble, a Keras
+Sequential's fit.
 """
 
 from __future__ import annotations
@@ -167,6 +168,23 @@ def mean_teacher() -> dict[str, np.ndarray]:
         return dict(zip([v.op.name for v in tf1.global_variables()], sess.run(tf1.global_variables())))
 
 
+def ensemble() -> dict[str, np.ndarray]:
+    """Two members of an ensemble, model_a/ and model_b/, each with its own loss and optimizer."""
+    images = tf1.placeholder(tf.float32, [BATCH, 6, 6, 3])
+    steps = []
+    for scope in ("model_a", "model_b"):
+        with tf1.variable_scope(scope):
+            out = layers.dense(tf.reduce_mean(_block(_block(images, 4, "a"), 4, "b"), [1, 2]), 3)
+            loss = tf.reduce_mean(tf.square(out - 1.0))
+        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, scope)):
+            steps.append(tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, var_list=tf1.trainable_variables(scope)))
+    with tf1.Session() as sess:
+        sess.run(tf1.global_variables_initializer())
+        for step in range(STEPS):
+            sess.run(steps, {images: _images(13)[step]})
+        return dict(zip([v.op.name for v in tf1.global_variables()], sess.run(tf1.global_variables())))
+
+
 def keras_fit() -> dict[str, np.ndarray]:
     """A tf_keras Sequential with two default-named BatchNormalization layers: compile, then fit."""
     model = keras.Sequential([
@@ -181,7 +199,7 @@ def keras_fit() -> dict[str, np.ndarray]:
 
 
 CASES = {f.__name__: f for f in (two_plain_layers, named_layers, two_streams, siamese, gan, encoder_decoder,
-                                mean_teacher, keras_fit)}
+                                mean_teacher, ensemble, keras_fit)}
 
 
 def main(out: str, names: list[str]) -> None:
