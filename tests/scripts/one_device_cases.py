@@ -16,15 +16,12 @@ import warnings
 from collections.abc import Callable
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # tf.compat.v1.layers on TF >= 2.16
-warnings.filterwarnings("ignore", category=UserWarning)  # tf.layers is deprecated
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_keras as keras  # noqa: E402
 
 tf1 = tf.compat.v1
-tf1.disable_eager_execution()
-tf.config.experimental.enable_op_determinism()
 
 STEPS = 3
 BATCH = 4
@@ -203,6 +200,10 @@ CASES = {f.__name__: f for f in (two_plain_layers, named_layers, two_streams, si
 
 
 def main(out: str, names: list[str]) -> None:
+    """As a script (the tests also import the cases, and must not change their process)."""
+    tf1.disable_eager_execution()
+    tf.config.experimental.enable_op_determinism()
+    warnings.filterwarnings("ignore", category=UserWarning)  # tf.layers is deprecated
     values = {}
     for name in names or CASES:
         with tf.Graph().as_default():
