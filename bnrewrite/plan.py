@@ -6,6 +6,7 @@ keys of a layer are the same in every pass and on every worker that rewrites the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from bnrewrite.collectives import Collective, choose_backend
@@ -22,7 +23,7 @@ from bnrewrite.graph import Graph
 from bnrewrite.match.replicas import trained_apart
 from bnrewrite.match.sites import Census, Site, Skip
 from bnrewrite.match.towers import LayerGroup, Towers, group_towers
-from bnrewrite.match.updates import find_updates
+from bnrewrite.match.updates import direct_updates, find_updates
 
 #: Instance keys of one layer: 0 is the forward all-reduce, 1.. its gradients.
 KEYS_PER_LAYER = 16
@@ -72,7 +73,13 @@ class Plan:
 
 
 def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
-    sites = [_with_updates(graph, s) for s in census.sites]  # grouping reads the updated variables
+    direct = {s.name: direct_updates(graph, s.statistics) for s in census.sites}
+    reached: dict[str, int] = {}  # update -> how many sites reach it directly
+    for updates in direct.values():
+        for update in updates:
+            reached[update] = reached.get(update, 0) + 1
+    sites = [_with_updates(graph, s, lambda update, own=direct[s.name]: reached.get(update, 0) > (update in own))
+             for s in census.sites]  # grouping reads the updated variables
     try:
         towers = group_towers(graph, sites, options.tower_by, min_towers=1 if options.num_workers > 1 else 2)
     except (NoTowersError, TowerMismatchError) as exc:
@@ -132,6 +139,6 @@ def plan_without_shared_body_updates(graph: Graph, census: Census, options: Opti
     return make_plan(graph, census, options)
 
 
-def _with_updates(graph: Graph, site: Site) -> Site:
-    updates, opaque = find_updates(graph, site.statistics)
+def _with_updates(graph: Graph, site: Site, elsewhere: Callable[[str], bool]) -> Site:
+    updates, opaque = find_updates(graph, site.statistics, elsewhere)
     return replace(site, updates=updates, opaque=opaque)

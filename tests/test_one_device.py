@@ -19,11 +19,14 @@ import sys
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
-import bnrewrite
-from bnrewrite import rewrite_graph
-from bnrewrite.cli import main
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # tf.compat.v1.layers on TF >= 2.16, before its first use
+
+import tensorflow as tf  # noqa: E402
+
+import bnrewrite  # noqa: E402
+from bnrewrite import rewrite_graph  # noqa: E402
+from bnrewrite.cli import main  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "one_device_cases.py")
@@ -202,3 +205,34 @@ def test_value_free_walk_ends_on_a_loop():
     merge = next(n.name for n in model if n.op == "Merge")
     assert _value_free(model, merge, {}) is False and _value_free(model, counted.op.name, {}) is False
     assert _value_free(model, shape.op.name, {}) is True
+
+
+def test_applications_chained_by_their_updates():
+    """A network applied twice whose second application is built after the first's updates
+    (tf.control_dependencies): not towers even when the user says so, as synchronizing would
+    close a cycle ("a bnrewrite bug" before); and each application's batch norm keeps its own
+    moving-average updates, not also those reached through the first's updated value."""
+    from bnrewrite.api import take_census
+    from bnrewrite.graph import Graph
+    from bnrewrite.match.updates import direct_updates, find_updates
+
+    tf1, layers = tf.compat.v1, tf.compat.v1.layers
+    graph = tf.Graph()
+    with graph.as_default():
+        outputs = []
+        for _ in range(2):
+            x = tf1.placeholder(tf.float32, [2, 4, 4, 3])
+            with tf1.variable_scope("net", reuse=tf1.AUTO_REUSE), \
+                    tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+                outputs.append(tf.reduce_mean(layers.batch_normalization(layers.conv2d(x, 4, 3), training=True)))
+        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+            tf1.train.GradientDescentOptimizer(0.1).minimize(tf.square(outputs[0] - outputs[1]), name="train_op")
+    for tower_by in ("auto", "scope"):
+        with pytest.raises(bnrewrite.NotReplicasError, match="net/batch_normalization/FusedBatchNormV3 feeds batch norm "
+                                                             r"net_1/.*\(or its moving-average updates run before it\)"):
+            rewrite_graph(graph, tower_by=tower_by)
+    model = Graph.from_graph_def(graph.as_graph_def())
+    first, second = take_census(model)[2].sites
+    theirs = direct_updates(model, second.statistics)
+    assert {u.node.split("/")[0] for u in find_updates(model, first.statistics)[0]} == {"net", "net_1"}
+    assert {u.node.split("/")[0] for u in find_updates(model, first.statistics, theirs.__contains__)[0]} == {"net"}

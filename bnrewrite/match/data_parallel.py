@@ -9,7 +9,9 @@ normalizes what the program gives it, and synchronizing them trains another prog
 of the graph tell them apart, whatever the names:
 
 1. replicas never read each other's activations: a batch norm of one tower that feeds (along
-   data edges) a batch norm of another makes them layers of one computation;
+   data edges) a batch norm of another, or runs before it (control edges: the other waits on
+   its moving-average updates), makes them layers of one computation, and synchronizing them
+   would close a cycle;
 2. on one device (or none), where only names told the towers apart, each tower's batch-norm
    gradients must come from a gradient computation of its own: every `tf.gradients` call (and
    tape) seeds its loss with ones made from constants and shapes alone (`Fill`, `OnesLike`), so
@@ -47,7 +49,7 @@ def _outer(name: str) -> str:
 
 
 def _chained(graph: Graph, sites: list[Site], tower: dict[str, str], ids: list[str]) -> str:
-    """Why some tower's batch norm feeds another tower's (the first such pair), or ""."""
+    """Why some tower's batch norm feeds, or runs before, another tower's (the first such pair), or ""."""
     index = {t: k for k, t in enumerate(ids)}
     marks: dict[str, int] = {}
     for s in sites:
@@ -60,17 +62,16 @@ def _chained(graph: Graph, sites: list[Site], tower: dict[str, str], ids: list[s
         if name not in reached:
             continue
         upstream = 0
-        for spec in graph.node(name).input:
-            src, out = parse_input(spec)
-            if out >= 0:
-                upstream |= masks.get(src, 0)
+        for spec in graph.node(name).input:  # control inputs too: a wait on another tower's batch norm
+            upstream |= masks.get(parse_input(spec)[0], 0)
         other = upstream & ~marks.get(name, -1)
         if other:
             fed = next(s for s in sites if name in (_outer(s.name), _outer(s.variance or s.name)))
             source = next(s for s in sites if other >> index[tower[s.name]] & 1)
-            return (f"batch norm {source.name} feeds batch norm {fed.name}: they are layers of one computation "
-                    f"(one model's layers, or networks chained into each other), not copies of a model on separate "
-                    f"shares of the batch ({', '.join(ids)} were taken for towers)")
+            return (f"batch norm {source.name} feeds batch norm {fed.name} (or its moving-average updates run "
+                    f"before it): they are layers of one computation (one model's layers, or networks chained into "
+                    f"each other), not copies of a model on separate shares of the batch ({', '.join(ids)} were "
+                    "taken for towers)")
         mask = upstream | marks.get(name, 0)
         if mask:
             masks[name] = mask

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from bnrewrite.graph import Graph
 from bnrewrite.match.sites import Update, resolve_variable
 from bnrewrite.ops import IF_OPS
@@ -29,23 +31,42 @@ _SCATTER_PREFIXES = ("Scatter", "ResourceScatter", "ResourceStridedSliceAssign",
 _FOLLOWED = ASSIGN_OPS | _ARITHMETIC | _FUNCTIONAL
 
 
-def find_updates(graph: Graph, statistics: list[tuple[str, int, str]]) -> tuple[tuple[Update, ...], tuple[str, ...]]:
+def find_updates(
+    graph: Graph, statistics: list[tuple[str, int, str]], elsewhere: Callable[[str], bool] = lambda update: False,
+) -> tuple[tuple[Update, ...], tuple[str, ...]]:
     """Assign ops whose value depends on the (node, output, statistic name) tensors given,
     also through the value an update leaves (the output of a ref-variable assign, or a read
     that waits on a resource-variable assign): batch renormalization sets moving_variance from
     moving_stddev once that is updated. Also the functional control-flow ops the statistics
     enter on the way that may hide an update this search cannot see (_may_hide_updates); one
-    that only reads them (a summary's tf.nn.zero_fraction cond) is no obstacle."""
+    that only reads them (a summary's tf.nn.zero_fraction cond) is no obstacle.
+
+    `elsewhere(update)`: other sites' statistics reach it directly (`direct_updates`). Met only
+    through an update's value, such an update is those sites' (a network applied twice whose
+    second application waits on the first's updates): neither kept nor followed."""
     found: dict[str, Update] = {}
     opaque: set[str] = set()
     for site, output, statistic in statistics:
-        starts = [(site, output)]
+        starts, derived = [(site, output)], False
         while starts:
             new = _updates_from(graph, starts, statistic, found, opaque)
+            if derived:
+                for update in [update for update in new if elsewhere(update)]:
+                    del found[update]
+                    new.remove(update)
+            derived = True
             starts = [(update, 0) for update in new] + [
                 (read, 0) for update in new for read in graph.consumers.get(update, ())
                 if graph.node(read).op == "ReadVariableOp" and f"^{update}" in graph.node(read).input]
     return tuple(sorted(found.values(), key=lambda u: u.node)), tuple(sorted(o for o in opaque if _may_hide_updates(graph, o)))
+
+
+def direct_updates(graph: Graph, statistics: list[tuple[str, int, str]]) -> set[str]:
+    """The assign ops a few elementwise ops from the statistics themselves (no update's value between)."""
+    found: dict[str, Update] = {}
+    for site, output, statistic in statistics:
+        _updates_from(graph, [(site, output)], statistic, found, set())
+    return set(found)
 
 
 def _may_hide_updates(graph: Graph, functional: str) -> bool:
