@@ -55,6 +55,7 @@ SLOW_TESTS = (
     "test_run.py::test_ctrl_c",
     "test_one_device.py::test_run_leaves_one_device_programs",
     "test_silent.py::test_run_synchronizes",
+    "test_silent.py::test_keras_fit_under_mirrored_strategy",
     *(f"test_stepcheck.py::test_every_form_verifies_in_process[{form}]" for form in (
         "fused op", "fused NCHW", "fused float16", "fused bfloat16", "renorm", "moments cond v1", "fused cond v1",
         "fused 4 towers")),

@@ -158,3 +158,16 @@ def test_a_layer_that_cannot_be_synchronized_refuses_the_graph_everywhere(tmp_pa
     assert "convert would fail: 2 training batch-norm op(s) of the 2 towers cannot be synchronized" in capsys.readouterr().out
     assert main(["convert", "-q", "--allow-unsynced", path, str(tmp_path / "out.pb")]) == 0
     assert os.path.exists(tmp_path / "out.pb")
+
+
+def test_keras_fit_under_mirrored_strategy_is_never_silent(tmp_path):
+    """compile makes the session, fit adds the two replicas' training ops: the script is stopped
+    before its first training step naming why, where it trained unsynchronized in silence (issue
+    39 is to synchronize it)."""
+    script = os.path.join(ROOT, "tests", "scripts", "keras_mirrored_fit.py")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT}
+    run = subprocess.run([sys.executable, "-m", "bnrewrite", "run", script, "run.npz"], cwd=str(tmp_path), env=env,
+                         text=True, capture_output=True, timeout=600, stdin=subprocess.DEVNULL)
+    lines = [line for line in run.stderr.splitlines() if line.startswith("bnrewrite:")]
+    assert run.returncode == 7 and not (tmp_path / "run.npz").exists(), run.stderr[-2000:]
+    assert lines[-1].startswith("bnrewrite: error: graph ") and "refused" in lines[-1] and "CPU:1" in lines[-1], lines
