@@ -48,6 +48,11 @@ def _train(loss: tf.Tensor, feeds: list[tuple[tf.Tensor, np.ndarray]],
     """Momentum on `loss` with (`which` of) UPDATE_OPS in the train op, STEPS steps in a Session loop."""
     with tf.control_dependencies(_updates(which)):
         train_op = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+    return _loop(train_op, feeds)
+
+
+def _loop(train_op: object, feeds: list[tuple[tf.Tensor, np.ndarray]]) -> dict[str, np.ndarray]:
+    """STEPS runs of `train_op` in a plain Session loop, each fed its step's slice; every variable after."""
     init = tf1.global_variables_initializer()
     with tf1.Session() as sess:
         sess.run(init)
@@ -125,11 +130,7 @@ def gan() -> dict[str, np.ndarray]:
     with tf.control_dependencies(_updates(_first_application)):
         train_op = tf.group(tf1.train.AdamOptimizer(1e-2).minimize(d_loss, var_list=d_vars),
                             tf1.train.AdamOptimizer(1e-2).minimize(g_loss, var_list=g_vars))
-    with tf1.Session() as sess:
-        sess.run(tf1.global_variables_initializer())
-        for step in range(STEPS):
-            sess.run(train_op, {real: _images(7)[step], noise: _images(8)[step]})
-        return dict(zip([v.op.name for v in tf1.global_variables()], sess.run(tf1.global_variables())))
+    return _loop(train_op, [(real, _images(7)), (noise, _images(8))])
 
 
 def encoder_decoder() -> dict[str, np.ndarray]:
@@ -158,11 +159,7 @@ def mean_teacher() -> dict[str, np.ndarray]:
         step_op = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, var_list=student)
     with tf.control_dependencies([step_op]):
         train_op = tf.group(*[t.assign(0.9 * t + 0.1 * s) for s, t in zip(student, teacher)])
-    with tf1.Session() as sess:
-        sess.run(tf1.global_variables_initializer())
-        for step in range(STEPS):
-            sess.run(train_op, {images: _images(10)[step]})
-        return dict(zip([v.op.name for v in tf1.global_variables()], sess.run(tf1.global_variables())))
+    return _loop(train_op, [(images, _images(10))])
 
 
 def ensemble() -> dict[str, np.ndarray]:
@@ -175,11 +172,7 @@ def ensemble() -> dict[str, np.ndarray]:
             loss = tf.reduce_mean(tf.square(out - 1.0))
         with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, scope)):
             steps.append(tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, var_list=tf1.trainable_variables(scope)))
-    with tf1.Session() as sess:
-        sess.run(tf1.global_variables_initializer())
-        for step in range(STEPS):
-            sess.run(steps, {images: _images(13)[step]})
-        return dict(zip([v.op.name for v in tf1.global_variables()], sess.run(tf1.global_variables())))
+    return _loop(steps, [(images, _images(13))])
 
 
 def keras_fit() -> dict[str, np.ndarray]:
