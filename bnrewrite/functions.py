@@ -111,7 +111,7 @@ def flatten(graph: Graph) -> tuple[Graph, Bodies | None]:
     """The combined graph, or (graph, None) when no If branch holds batch norm."""
     if graph.library is None:
         return graph, None
-    library = {f.signature.name: f for f in graph.library.function}
+    library = graph.functions
     calls = _calls(graph)
     ifs = [n for n in graph if n.op in IF_OPS]
     forward_ifs = []

@@ -186,6 +186,12 @@ class Graph:
             return self._library
         return self._source.library if self._source.HasField("library") else None
 
+    @cached_property
+    def functions(self) -> dict[str, object]:
+        """The library's FunctionDefs by name (empty without a library), indexed once."""
+        library = self.library
+        return {f.signature.name: f for f in library.function} if library is not None else {}
+
     def to_graph_def(self) -> graph_pb2.GraphDef:
         """The graph as a GraphDef: the storage, with copies of the nodes still read from the
         source, put in graph order, stale nodes dropped.

@@ -111,7 +111,7 @@ def may_write_variables(graph: Graph, node: object) -> bool:
     write a variable: an assign, an optimizer's update, a scatter, or an op it cannot look into."""
     if node.op in _STATELESS:
         return False
-    library = {f.signature.name: f for f in graph.library.function} if graph.library is not None else {}
+    library = graph.functions
     pending, seen = _functions_of(node), set()
     while pending:
         name = pending.pop()
