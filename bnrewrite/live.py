@@ -498,8 +498,6 @@ def _move(session: Any, shadow: Shadow) -> None:
     session._bnrewrite_shadow = shadow
 
 
-
-
 def _claim(shadow: Shadow, first: Any) -> bool:
     """Take `first` as the one step to check, unless another thread took it already."""
     with shadow.lock:
