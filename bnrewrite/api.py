@@ -24,6 +24,7 @@ from bnrewrite.errors import (
     UnsyncedLayerError,
 )
 from bnrewrite.graph import Graph, copy_fields, tensor_name
+from bnrewrite.match.live_work import not_run
 from bnrewrite.match.sites import Census, Site, normalization, scan
 from bnrewrite.nodes import MARK
 from bnrewrite.opcheck import check_nodes
@@ -289,6 +290,10 @@ def take_census(model: Graph) -> tuple[Graph, functions.Bodies | None, Census]:
         )
     if bodies is not None:
         functions.adopt_sites(combined, bodies, census, functions.called_functions(model))
+    census.not_run = not_run(combined, census.sites)
+    if census.not_run:
+        idle = {skip.node for skip in census.not_run}
+        census.sites = [site for site in census.sites if site.name not in idle]
     return combined, bodies, census
 
 
@@ -379,6 +384,11 @@ def _report(graph: Graph, plan: Plan, records: list[PassRecord], census: Census,
         ))
     report.removed = [{"node": name, "why": why} for name, why in removed]
     report.skipped = [{"node": s.node, "reason": s.reason} for s in (*census.skips, *plan.towers.skips)]
+    report.not_run = [s.node for s in census.not_run]
+    if report.not_run:
+        report.notes.append(
+            f"{len(report.not_run)} training batch-norm op(s) that no training step runs left as they are, not towers "
+            f"(e.g. {report.not_run[0]}: the call that built a Keras model on its own Input, an unused copy)")
     report.passes = [
         {"name": r.name, "added": r.added, "replaced": len(r.replaced), "removed": len(r.removed),
          "control_edges": r.control_edges, "seconds": round(r.seconds, 4)}

@@ -329,11 +329,13 @@ def _write_body(graph: Graph, body: Body, nodes: list[node_def_pb2.NodeDef], own
         raise PassError(f"{spec} names no output")
 
     emitted: dict[str, node_def_pb2.NodeDef] = {}
+    caller = graph.node(body.caller).device
     for node in nodes:
         new = node_def_pb2.NodeDef()
         if MARK in node.attr or node.name not in body.originals:
             new.CopyFrom(node)
-            new.device = ""
+            if new.device == caller:  # placed with the call; another (a tower's, in a gradient body) stays
+                new.device = ""
         else:
             new.CopyFrom(body.originals[node.name])
         new.name = fname[node.name]

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from bnrewrite.arguments import check_arguments
+from bnrewrite.c_graph import import_fragment, operations
+from bnrewrite.carry import carry, uncarried
 from bnrewrite.errors import (
     AlreadyRewrittenError,
     BnRewriteError,
@@ -48,6 +50,9 @@ NOTHING_TO_SYNC = (NoBatchNormError, InferenceOnlyError, AlreadyRewrittenError, 
 #: Op types that can make (or hold, in their functions) a training batch-norm layer: a graph that
 #: gains one after it was decided is looked at again.
 MAY_HOLD_BATCH_NORM = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "Mean", "If", "StatelessIf"})
+#: ... or its gradients (Keras' fit adds them to a graph whose session compile made and ran).
+MAY_TRAIN_BATCH_NORM = MAY_HOLD_BATCH_NORM | {"FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3",
+                                              "Reshape"}
 
 
 @dataclass(frozen=True)
@@ -78,22 +83,24 @@ class Shadow:
     first_step: Any = None  # a FirstStep while the first step is to be checked
     operations: dict[str, Any] | None = None  # name -> TF_Operation of the shadow, made at the first copy
     lock: threading.Lock = field(default_factory=threading.Lock)
-    layers: set[str] = field(default_factory=set)  # the batch-norm sites the rewrite synchronized or skipped
+    config: Any = None  # the ConfigProto of the session that made it
+    signature: tuple = ()  # what the rewrite synchronized and skipped (_signature)
+    replaced_by: "Shadow | None" = None  # the shadow of the graph grown since, which sessions move to
 
     def catch_up(self, script_graph: Any) -> None:
         """Copy the ops added to `script_graph` since the last call; an op that reads a missing
-        node is not copied and becomes missing too. New training batch-norm layers (a second
-        model built after the session) would run unsynchronized: refused (_late_layers)."""
+        node is not copied and becomes missing too. Ops that may make or train batch-norm layers
+        (a second model, Keras' fit adding gradients) have the graph rewritten again (_regrow)."""
         if script_graph.version == self.copied:
             return
         with script_graph._session_run_lock(), self.lock:  # no op of the script's is half made meanwhile
-            operations = script_graph.get_operations()
-            new = operations[self.copied:]
+            ops = script_graph.get_operations()
+            new = ops[self.copied:]
             if new:
                 _copy_ops(new, script_graph, self)
-            self.copied = len(operations)
-        if any(op.type in MAY_HOLD_BATCH_NORM for op in new):
-            _late_layers(script_graph, self)
+            self.copied = len(ops)
+        if self.replaced_by is None and any(op.type in MAY_TRAIN_BATCH_NORM for op in new):
+            _regrow(script_graph, self)
 
     def refuse_missing(self, names: Iterator[str], fed: bool = False) -> None:
         for name in names:
@@ -112,20 +119,21 @@ class _Decision:
     in_place: bool = False  # rewrite_graph(g, in_place=True): synchronized whether enable() is on or not
 
 
-def _late_layers(script_graph: Any, shadow: Shadow) -> None:
-    """Refuse (or with allow_unsynced, warn once about) training batch-norm layers added to a
-    graph after its session was synchronized: nothing copies them synchronized into the shadow."""
-    from bnrewrite.api import take_census
-    from bnrewrite.graph import Graph
+def _regrow(script_graph: Any, shadow: Shadow) -> None:
+    """Rewrite a grown graph again whole; when that synchronizes otherwise than `shadow` does
+    (new layers, their gradients: a forward pass synchronized before its gradients existed),
+    the new shadow replaces it and every session on it moves there with its variables (_follow)."""
+    with _state.lock:
+        decision = _decide(script_graph, shadow.config, shadow.options, again=True, previous=shadow)
+        if decision.shadow is not None and decision.shadow is not shadow:
+            shadow.replaced_by = decision.shadow
+            _state.decisions[script_graph] = decision
 
-    _, _, census = take_census(Graph.from_graph_def(script_graph.as_graph_def()))
-    new = sorted(({s.name for s in census.sites} | {s.node for s in census.skips}) - shadow.layers)
-    if new:
-        shadow.layers.update(new)
-        _late_refusal(shadow.number, shadow.options, UnsyncedLayerError(
-            f"{len(new)} training batch-norm op(s) were added after its session was synchronized and would train "
-            f"unsynchronized ({', '.join(new[:3])}{', ...' if len(new) > 3 else ''}): build every model before the "
-            "first session.run, or give each model a graph of its own"))
+
+def _signature(report: Any) -> tuple:
+    """What a rewrite synchronized (each layer's sites and gradients) and skipped."""
+    return (tuple((tuple(row.sites), tuple(row.gradients)) for row in report.layers),
+            tuple(s["node"] for s in report.skipped))
 
 
 def _late_refusal(number: int, options: LiveOptions, exc: BnRewriteError) -> None:
@@ -247,7 +255,7 @@ def _open_sessions(graph: Any) -> list[Any]:
     return [o for o in sessions if isinstance(o, BaseSession) and not o._closed]
 
 
-def _shadow(count: int, result: Any, number: int = 0, options: LiveOptions | None = None) -> Shadow:
+def _shadow(count: int, result: Any, number: int = 0, options: LiveOptions | None = None, config: Any = None) -> Shadow:
     """The shadow of a graph whose first `count` ops `result` rewrote. To be verified, it is
     imported with a Python Operation per node, which the check's ops are built on."""
     import tensorflow as tf
@@ -262,71 +270,27 @@ def _shadow(count: int, result: Any, number: int = 0, options: LiveOptions | Non
             tf.graph_util.import_graph_def(result.graph_def, name="")
         first_step = FirstStep.build(shadow_graph, result)
     else:
-        _import(shadow_graph, result.graph_def.SerializeToString(), {}, {})
+        import_fragment(shadow_graph, result.graph_def.SerializeToString(), {}, {})
     removed = {r["node"]: f"the rewrite removed it ({r['why']})" for r in result.report.removed}
     functions = {f.signature.name for f in result.graph_def.library.function}
-    layers = {site for row in result.report.layers for site in row.sites} | {s["node"] for s in result.report.skipped}
-    return Shadow(shadow_graph, count, removed, functions, number, options, first_step, layers=layers)
+    return Shadow(shadow_graph, count, removed, functions, number, options, first_step, config=config,
+                  signature=_signature(result.report))
 
 
-def _import(graph: Any, graph_def: bytes, inputs: dict[str, tuple[Any, int]], controls: dict[str, Any],
-            returns: list[str] | None = None) -> list[Any]:
-    """Import a serialized GraphDef into `graph`'s C graph alone: the session runs that, and the
-    Python Operation objects tf.graph_util.import_graph_def would make (most of its time) are
-    never used. `inputs` maps tensor names the GraphDef reads from outside it to (TF_Operation,
-    output index) of `graph`; `controls`, control inputs from outside to TF_Operations. Returns
-    the TF_Operations of the nodes named in `returns`."""
-    from tensorflow.python.client import pywrap_tf_session as c_api
-    from tensorflow.python.framework import c_api_util
-
-    options = c_api_util.ScopedTFImportGraphDefOptions()
-    c_api.TF_ImportGraphDefOptionsSetValidateColocationConstraints(options.options, False)
-    for name, (operation, index) in inputs.items():
-        source, _, source_index = name.partition(":")
-        c_api.TF_ImportGraphDefOptionsAddInputMapping(
-            options.options, source, int(source_index or 0), c_api_util.tf_output(operation, index))
-    for name, operation in controls.items():
-        c_api.TF_ImportGraphDefOptionsRemapControlDependency(options.options, name, operation)
-    for name in returns or []:
-        c_api.TF_ImportGraphDefOptionsAddReturnOperation(options.options, name)
-    buffer = c_api.TF_NewBufferFromString(graph_def)
-    try:
-        with graph._c_graph.get() as c_graph:
-            results = c_api_util.ScopedTFImportGraphDefResults(
-                c_api.TF_GraphImportGraphDefWithResults(c_graph, buffer, options.options))
-        return list(c_api.TF_ImportGraphDefResultsReturnOperations(results.results)) if returns else []
-    finally:
-        c_api.TF_DeleteBuffer(buffer)
-
-
-def _operations(graph: Any) -> dict[str, Any]:
-    """Name -> TF_Operation of every op in `graph`'s C graph."""
-    from tensorflow.python.client import pywrap_tf_session as c_api
-
-    found: dict[str, Any] = {}
-    with graph._c_graph.get() as c_graph:
-        position = 0
-        while True:
-            operation, position = c_api.TF_GraphNextOperation(c_graph, position)
-            if operation is None:
-                return found
-            found[c_api.TF_OperationName(operation)] = operation
-
-
-def _copy_ops(operations: list[Any], script_graph: Any, shadow: Shadow) -> None:
-    """Import `operations` (new ops of the script's graph, in creation order) into the shadow,
+def _copy_ops(new_ops: list[Any], script_graph: Any, shadow: Shadow) -> None:
+    """Import `new_ops` (new ops of the script's graph, in creation order) into the shadow,
     inputs from outside them mapped to the shadow's ops of the same names."""
     from tensorflow.core.framework import graph_pb2
 
     if shadow.operations is None:
-        shadow.operations = _operations(shadow.graph)
+        shadow.operations = operations(shadow.graph)
     existing = shadow.operations
     fragment = graph_pb2.GraphDef()
     fragment.versions.CopyFrom(script_graph.graph_def_versions)
-    names = {op.name for op in operations}
+    names = {op.name for op in new_ops}
     inputs: dict[str, tuple[Any, int]] = {}
     controls: dict[str, Any] = {}
-    for op in operations:
+    for op in new_ops:
         node = op.node_def
         if node.name in existing:
             shadow.missing[node.name] = "its name is taken by an op bnrewrite added to the synchronized graph"
@@ -353,7 +317,7 @@ def _copy_ops(operations: list[Any], script_graph: Any, shadow: Shadow) -> None:
             shadow.functions.add(name)
     if fragment.node:
         added = [node.name for node in fragment.node]
-        existing.update(zip(added, _import(shadow.graph, fragment.SerializeToString(), inputs, controls, added)))
+        existing.update(zip(added, import_fragment(shadow.graph, fragment.SerializeToString(), inputs, controls, added)))
 
 
 def _install() -> None:
@@ -407,28 +371,23 @@ def _patch(module: Any) -> None:
         if shadow is None:
             init(self, target, graph, config)
             # While enabled, it can still move to a shadow (_late_shadow); made while disabled, it runs as it is.
-            self._bnrewrite_watch, self._bnrewrite_ran = _state.options is not None, False
+            self._bnrewrite_watch, self._bnrewrite_ran = _state.options is not None, 0
             return
         init(self, target, shadow.graph, config)
         self._graph = script_graph
         self._bnrewrite_shadow = shadow
 
     @functools.wraps(extend)
-    def _extend_graph(self: Any) -> None:
-        shadow = getattr(self, "_bnrewrite_shadow", None)
-        if shadow is not None:
-            shadow.catch_up(self._graph)
+    def _extend_graph(self: Any) -> None:  # before every run, and before a callable is made
+        _current(self)
         extend(self)
+        self._bnrewrite_ran = self._graph.version  # the ops it may have run: those made so far
 
     @functools.wraps(do_run)
     def _do_run(self: Any, handle: Any, target_list: Any, fetch_list: Any, feed_dict: Any, options: Any,
                 run_metadata: Any) -> Any:
-        shadow = getattr(self, "_bnrewrite_shadow", None)
-        if shadow is None and getattr(self, "_bnrewrite_watch", False):
-            shadow = _late_shadow(self)
-            self._bnrewrite_ran = True
+        shadow = _current(self)
         if shadow is not None:
-            shadow.catch_up(self._graph)
             if shadow.missing:
                 shadow.refuse_missing(op.name for op in target_list)
                 shadow.refuse_missing(t.op.name for t in fetch_list)
@@ -448,11 +407,29 @@ def _patch(module: Any) -> None:
     base._bnrewrite_patched = True
 
 
+def _current(session: Any) -> Shadow | None:
+    """The shadow `session` runs now, caught up with its graph: a session on a graph that held
+    nothing to synchronize moves to the graph's shadow once it has one (_late_shadow), and a
+    session on a shadow replaced since (_regrow) moves to the new one with its variables."""
+    shadow = getattr(session, "_bnrewrite_shadow", None)
+    if shadow is None:
+        return _late_shadow(session) if getattr(session, "_bnrewrite_watch", False) else None
+    shadow.catch_up(session._graph)
+    while shadow.replaced_by is not None and not getattr(session, "_bnrewrite_stays", False):
+        moved = _move(session, shadow.replaced_by, shadow.graph)
+        if moved is None:  # refused, --allow-unsynced: it goes on as it is
+            session._bnrewrite_stays = True
+            break
+        shadow = moved
+        shadow.catch_up(session._graph)
+    return shadow
+
+
 def _late_shadow(session: Any) -> Shadow | None:
     """The shadow for a session created on its graph while that held nothing to synchronize, if
     the graph has gained multi-tower training batch norm since (an InteractiveSession made before
-    the model, Keras' compile before fit): the session moves to it if it has run nothing yet,
-    else it is refused (the variables it initialized would be lost). None: as it is."""
+    the model, Keras' compile before fit): the session moves to it, with the values of the
+    variables it initialized if it has run (_move). None: as it is."""
     graph = session._graph
     with _state.lock:
         decision = _state.decisions.get(graph)
@@ -463,7 +440,7 @@ def _late_shadow(session: Any) -> Shadow | None:
             options = _state.options
             if decision.version == graph.version or options is None:
                 return None
-            if not any(op.type in MAY_HOLD_BATCH_NORM for op in graph.get_operations()[decision.version:]):
+            if not any(op.type in MAY_TRAIN_BATCH_NORM for op in graph.get_operations()[decision.version:]):
                 decision.version = graph.version
                 return None
             decision = _state.decisions[graph] = _decide(graph, session._config, options, again=True)
@@ -471,31 +448,41 @@ def _late_shadow(session: Any) -> Shadow | None:
                 return None
         shadow = decision.shadow
         session._bnrewrite_watch = False  # decided for good: moved to the shadow, or refused now
-    if session._bnrewrite_ran:
-        _late_refusal(shadow.number, shadow.options, UnsyncedLayerError(
-            "it gained multi-tower training batch norm after a session on it had run (made before the model was "
-            "built); that session would train it unsynchronized: create the session after building the model"))
-        return None
-    _move(session, shadow)
-    _note(shadow.options, f"graph {shadow.number}: its session was created before the model: it runs the "
-                          "synchronized graph from its first step")
-    return shadow
+    return _move(session, shadow, graph)
 
 
-def _move(session: Any, shadow: Shadow) -> None:
-    """Replace the TensorFlow session under `session` (which has run nothing) by one on the shadow."""
+def _move(session: Any, shadow: Shadow, old_graph: Any) -> Shadow | None:
+    """Replace the TensorFlow session under `session` (on `old_graph`) by one on `shadow`, which
+    gets the values of the variables the old one initialized when it has run (bnrewrite.carry).
+    A session holding state that cannot be carried (queues, iterators, tables) is refused."""
     from tensorflow.python.client import pywrap_tf_session as tf_session
 
-    options = tf_session.TF_NewSessionOptions(target=session._target, config=session._config)
-    try:
-        with shadow.graph._c_graph.get() as c_graph:
-            new = tf_session.TF_NewSessionRef(c_graph, options)
-    finally:
-        tf_session.TF_DeleteSessionOptions(options)
+    if not getattr(session, "_bnrewrite_ran", 0):
+        options = tf_session.TF_NewSessionOptions(target=session._target, config=session._config)
+        try:
+            with shadow.graph._c_graph.get() as c_graph:
+                new = tf_session.TF_NewSessionRef(c_graph, options)
+        finally:
+            tf_session.TF_DeleteSessionOptions(options)
+        how = "its session was created before the model: it runs the synchronized graph from its first step"
+    else:
+        script_ops = session._graph.get_operations()
+        held = uncarried(script_ops[:session._bnrewrite_ran])
+        if held:
+            _late_refusal(shadow.number, shadow.options, UnsyncedLayerError(
+                f"it gained multi-tower training batch norm after a session on it had run, and that session holds "
+                f"state other than variables ({held}) that cannot be moved to the synchronized graph; it would train "
+                "unsynchronized: build the whole model, train op included, before the first session.run"))
+            return None
+        new, count = carry(session, old_graph, script_ops, shadow.graph)
+        how = (f"its session ran before the graph trained batch norm on several towers (e.g. Keras' fit after "
+               f"compile): it moves to the synchronized graph with the values of its {count} initialized variable(s)")
     old, session._session = session._session, new
     tf_session.TF_CloseSession(old)
     tf_session.TF_DeleteSession(old)
     session._bnrewrite_shadow = shadow
+    _note(shadow.options, f"graph {shadow.number}: {how}")
+    return shadow
 
 
 def _claim(shadow: Shadow, first: Any) -> bool:
@@ -590,9 +577,11 @@ def _shadow_for(graph: Any, config: Any) -> Shadow | None:
         return decision.shadow
 
 
-def _decide(graph: Any, config: Any, options: LiveOptions, again: bool = False) -> _Decision:
+def _decide(graph: Any, config: Any, options: LiveOptions, again: bool = False,
+            previous: Shadow | None = None) -> _Decision:
     """Rewrite `graph` for its session; `again`: looked at again after it grew, so a graph that
-    still has nothing to synchronize gets no second record or line."""
+    still has nothing to synchronize gets no second record or line; `previous`: the shadow it
+    had, kept (no record or line) when the rewrite synchronizes the same layers."""
     from bnrewrite.api import rewrite_graph
 
     number = len(_state.records) + 1
@@ -612,13 +601,23 @@ def _decide(graph: Any, config: Any, options: LiveOptions, again: bool = False) 
         return _Decision(None, version)
     except BnRewriteError as exc:
         return _refused(number, exc, options, version)
+    if previous is not None and (result.report.already_rewritten or _signature(result.report) == previous.signature):
+        return _Decision(previous, version)
     if result.report.already_rewritten:
         if again:
             return _Decision(None, version)
         _record(number, "unchanged", "already rewritten by bnrewrite", result.report)
         _note(options, f"graph {number} runs unchanged: it was already rewritten by bnrewrite")
         return _Decision(None, version)
-    shadow = _shadow(count, result, number, options)
+    if not any(row.gradients for row in result.report.layers):
+        if again or previous is not None:
+            return _Decision(previous, version)
+        why = ("its training batch norm has no gradient in the graph yet (a model built before its train op, e.g. "
+               "Keras' compile before fit): nothing trains, so it runs as it is until gradients are added")
+        _record(number, "unchanged", why, None)
+        _note(options, f"graph {number} runs unchanged: {why}")
+        return _Decision(None, version)
+    shadow = _shadow(count, result, number, options, config)
     report = result.report
     unsynced = ", ".join(f"{s['node']} ({s['reason']})" for s in report.skipped)
     _record(number, "synchronized", f"left unsynchronized (--allow-unsynced): {unsynced}" if unsynced else "", report)

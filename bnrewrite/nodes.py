@@ -29,6 +29,11 @@ MARK = "_bnrewrite"
 BODY_MARK = "/_fn_"
 
 
+def outer_node(name: str) -> str:
+    """The node of the main graph that holds `name` (the If/While call of a function body's node)."""
+    return name.split(BODY_MARK, 1)[0]
+
+
 @dataclass(frozen=True)
 class DType:
     value: int

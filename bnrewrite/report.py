@@ -68,6 +68,7 @@ class Report:
     layers: list[LayerRow] = field(default_factory=list)
     removed: list[dict[str, str]] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
+    not_run: list[str] = field(default_factory=list)  # training batch norms no gradient step runs: not towers
     passes: list[dict[str, object]] = field(default_factory=list)
     nodes_before: int = 0
     nodes_after: int = 0

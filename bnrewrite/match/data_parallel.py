@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from bnrewrite.graph import Graph, parse_input
 from bnrewrite.match.sites import Site
-from bnrewrite.nodes import BODY_MARK
+from bnrewrite.nodes import outer_node
 
 #: Ops whose output does not depend on their inputs' values (only on shapes, or nothing).
 _VALUE_FREE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike", "BroadcastArgs"})
@@ -43,11 +43,6 @@ def not_replicas(graph: Graph, sites: list[Site], tower: dict[str, str], ids: li
     return _one_gradient_computation(graph, sites, tower, ids)
 
 
-def _outer(name: str) -> str:
-    """The node of the main graph that holds `name` (the If/While call of a function body's node)."""
-    return name.split(BODY_MARK, 1)[0]
-
-
 def _chained(graph: Graph, sites: list[Site], tower: dict[str, str], ids: list[str]) -> str:
     """Why some tower's batch norm feeds, or runs before, another tower's (the first such pair), or ""."""
     index = {t: k for k, t in enumerate(ids)}
@@ -55,7 +50,7 @@ def _chained(graph: Graph, sites: list[Site], tower: dict[str, str], ids: list[s
     for s in sites:
         for name in (s.name, s.variance):
             if name:
-                marks[_outer(name)] = marks.get(_outer(name), 0) | 1 << index[tower[s.name]]
+                marks[outer_node(name)] = marks.get(outer_node(name), 0) | 1 << index[tower[s.name]]
     masks: dict[str, int] = {}  # node -> the towers whose batch norms it reads, directly or not
     reached, consumers = set(marks), graph.consumers
     for name in graph.topological_order():
@@ -66,7 +61,7 @@ def _chained(graph: Graph, sites: list[Site], tower: dict[str, str], ids: list[s
             upstream |= masks.get(parse_input(spec)[0], 0)
         other = upstream & ~marks.get(name, -1)
         if other:
-            fed = next(s for s in sites if name in (_outer(s.name), _outer(s.variance or s.name)))
+            fed = next(s for s in sites if name in (outer_node(s.name), outer_node(s.variance or s.name)))
             source = next(s for s in sites if other >> index[tower[s.name]] & 1)
             return (f"batch norm {source.name} feeds batch norm {fed.name} (or its moving-average updates run "
                     f"before it): they are layers of one computation (one model's layers, or networks chained into "
@@ -83,10 +78,10 @@ def _one_gradient_computation(graph: Graph, sites: list[Site], tower: dict[str, 
     """Why the towers' batch-norm gradients do not come from one gradient computation per tower, or ""."""
     value_free: dict[str, bool] = {}
     forward: set[str] = set()  # value-free nodes the forward pass reads: no gradient's seed
-    _ancestors(graph, {_outer(n) for s in sites for n in (s.name, s.variance) if n}, value_free, forward)
+    _ancestors(graph, {outer_node(n) for s in sites for n in (s.name, s.variance) if n}, value_free, forward)
     seeds: dict[str, set[str]] = {}
     for t in ids:
-        grads = {_outer(n) for s in sites if tower[s.name] == t for n in (*s.grads, *s.variance_grads)}
+        grads = {outer_node(n) for s in sites if tower[s.name] == t for n in (*s.grads, *s.variance_grads)}
         if not grads:
             return (f"tower {t} has no gradient of its own batch norms while they run in training mode (a teacher "
                     f"or target network, or separate models), and on one device nothing but names tells "

@@ -120,6 +120,7 @@ class Census:
     inference: list[str]
     rewritten: list[str]
     skips: list[Skip]
+    not_run: list[Skip] = field(default_factory=list)  # training sites no gradient step runs: not towers
 
 
 def resolve_variable(graph: Graph, node: str) -> str | None:

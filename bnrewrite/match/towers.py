@@ -114,8 +114,8 @@ def group_towers(graph: Graph, sites: list[Site], by: str = "auto", min_towers: 
     groups.sort(key=lambda g: order[g.sites[0].name])
     if not groups:
         raise TowerMismatchError(
-            f"found towers {', '.join(map(shown_tower, ids))} but no batch-norm layer lines up across them "
-            f"({skips[0].node}: {skips[0].reason}); check that every tower builds the same model"
+            f"found towers {', '.join(map(shown_tower, ids))} but no batch-norm layer lines up across them: "
+            f"{skips[0].node}: {skips[0].reason}"
         )
     return Towers(tuple(ids), by, tuple(groups), tuple(skips), _layout(groups, variables))
 
@@ -155,12 +155,15 @@ def _mismatch(members: list[Site], tower: dict[str, str], ids: list[str]) -> str
     if missing:
         return f"missing from tower(s) {', '.join(map(shown_tower, missing))}"
     first = members[0]
+    where = f"tower {shown_tower(tower[first.name])}"
     for s in members[1:]:
+        there = f"tower {shown_tower(tower[s.name])} ({s.name})"
         for attr in ("op", "data_format", "dtype", "stat_dtype", "epsilon", "avg_factor", "channels"):
             if not _same(getattr(s, attr), getattr(first, attr)):
-                return f"{attr} differs between towers ({getattr(first, attr)} vs {getattr(s, attr)})"
+                return f"{attr} differs between towers ({getattr(first, attr)} in {where} vs {getattr(s, attr)} in {there})"
         if len(s.grads) != len(first.grads):
-            return f"has {len(first.grads)} gradient op(s) in one tower and {len(s.grads)} in another"
+            return (f"has {len(first.grads)} gradient op(s) in {where} and {len(s.grads)} in {there}: trained in one "
+                    "tower and not in the other")
     return ""
 
 

@@ -1,0 +1,236 @@
+"""tf_keras models trained on several devices in v1 graph mode, the ways people wrote it (issue 39).
+
+* functional: a functional model built once on its own `Input`, called per tower under
+  `tf.device` (`model(x, training=True)`), gradients averaged, `model.get_updates_for(x)` of
+  every tower in the train op.
+* learning_phase: the same called as `model(x)`: batch norm under the learning-phase cond, the
+  phase fed 1 in training.
+* set_learning_phase: the same after `keras.backend.set_learning_phase(1)` (no cond).
+* sequential: a Sequential with `input_shape=` (built at construction), called per tower.
+* unfused, renorm: the functional model with `fused=False` / `renorm=True` batch norm.
+* float16: the functional model under tf_keras' 'mixed_float16' policy.
+* mobilenet: tf_keras.applications.MobileNetV2 (alpha 0.35, 32x32, no weights) per tower.
+* multi_gpu: the `keras.utils.multi_gpu_model` pattern (Keras <= 2.3): slice the batch with
+  `Lambda`, call the model per slice under `tf.device`, `concatenate`; compile + fit the merged
+  model.
+* mirrored_fit: compile and fit under `tf.distribute.MirroredStrategy` (one replica per device).
+
+With --reference each also trains the one-device reference: the same model fed the whole batch
+(fit without the merging model or the strategy), once as is and once with its images scaled by
+1 + 1e-7 (the noise floor of the comparison), and the towers as built (unsynchronized). Initial values are set from the weights'
+names, so both sides start equal. After training the weights go to a checkpoint (`save_weights`,
+and a `tf.compat.v1.train.Saver` one); a new graph builds the model for inference, restores
+each, and its `predict` and `evaluate` outputs are saved beside every weight.
+
+Usage: keras_towers.py OUT_DIR CASE... [--towers K] [--batch B] [--reference]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import zlib
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_keras as keras  # noqa: E402
+from tf_keras.src import backend  # noqa: E402
+
+tf1 = tf.compat.v1
+CASES = ("functional", "learning_phase", "set_learning_phase", "sequential", "unfused", "renorm", "float16",
+         "mobilenet", "multi_gpu", "mirrored_fit")
+STEPS, CLASSES = 3, 3
+
+
+def _image(case: str) -> int:
+    return 32 if case == "mobilenet" else 6
+
+
+def _model(case: str) -> keras.Model:
+    """The case's model, its variables given values from their names."""
+    if case == "mobilenet":
+        return keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=CLASSES,
+                                              classifier_activation=None)
+    options = {"unfused": {"fused": False}, "renorm": {"renorm": True}}.get(case, {})
+    layers = keras.layers
+    if case in ("sequential", "mirrored_fit"):
+        return keras.Sequential([
+            layers.Conv2D(4, 3, use_bias=False, input_shape=(6, 6, 3), name="conv1"),
+            layers.BatchNormalization(momentum=0.9, name="bn1", **options), layers.ReLU(),
+            layers.Conv2D(4, 3, padding="same", use_bias=False, name="conv2"),
+            layers.BatchNormalization(momentum=0.9, name="bn2", **options), layers.ReLU(),
+            layers.GlobalAveragePooling2D(), layers.Dense(CLASSES, name="logits")], name="net")
+    inputs = keras.Input((6, 6, 3))
+    x = layers.Conv2D(4, 3, use_bias=False, name="conv1")(inputs)
+    x = layers.ReLU()(layers.BatchNormalization(momentum=0.9, name="bn1", **options)(x))
+    x = layers.Conv2D(4, 3, padding="same", use_bias=False, name="conv2")(x)
+    x = layers.ReLU()(layers.BatchNormalization(momentum=0.9, name="bn2", **options)(x))
+    x = layers.Dense(CLASSES, name="logits", dtype="float32")(layers.GlobalAveragePooling2D()(x))
+    return keras.Model(inputs, x, name="net")
+
+
+def _initial(model: keras.Model) -> None:
+    """Every weight's value from its name: both sides of the comparison start equal."""
+    values = []
+    for weight in model.weights:
+        name, shape = weight.name.split(":")[0], weight.shape.as_list()
+        rng = np.random.default_rng(zlib.crc32(name.encode()))
+        role = name.rsplit("/", 1)[-1]
+        if role == "moving_variance" or role == "moving_stddev":
+            value = rng.uniform(0.5, 1.5, shape)
+        elif role in ("gamma",):
+            value = rng.uniform(0.8, 1.2, shape)
+        elif role in ("beta", "bias", "moving_mean", "renorm_mean"):
+            value = rng.normal(0, 0.1, shape)
+        elif role == "renorm_stddev":
+            value = rng.uniform(0.5, 1.5, shape)
+        else:
+            fan_in = int(np.prod(shape[:-1])) or 1
+            value = rng.normal(0, (2.0 / fan_in) ** 0.5, shape)
+        values.append(value.astype(weight.dtype.as_numpy_dtype))
+    model.set_weights(values)
+
+
+def _data(case: str, total: int, perturb: float) -> tuple[np.ndarray, np.ndarray]:
+    image = _image(case)
+    images = np.random.RandomState(1).normal(1, 2, (total, image, image, 3)).astype(np.float32)
+    targets = np.random.RandomState(2).normal(0, 1, (total, CLASSES)).astype(np.float32)
+    return images * np.float32(1 + perturb), targets
+
+
+def _session(towers: int) -> tf1.Session:
+    session = tf1.Session(config=tf1.ConfigProto(device_count={"CPU": max(towers, 1)}))
+    backend.set_session(session)
+    return session
+
+
+def _per_tower(case: str, towers: int, batch: int, images: np.ndarray, targets: np.ndarray) -> keras.Model:
+    """The model called once per tower, averaged gradients, the towers' updates in the train op."""
+    if case == "set_learning_phase":
+        keras.backend.set_learning_phase(1)
+    model = _model(case)
+    session = _session(towers)
+    image = _image(case)
+    x = tf1.placeholder(tf.float32, [towers * batch, image, image, 3], name="images")
+    y = tf1.placeholder(tf.float32, [towers * batch, CLASSES], name="targets")
+    optimizer = tf1.train.GradientDescentOptimizer(0.002 if case == "mobilenet" else 0.1)
+    grads, updates = [], []
+    for i in range(towers):
+        with tf.device(f"/cpu:{i}"), tf1.name_scope(f"tower_{i}"):
+            part = x[i * batch:(i + 1) * batch]
+            out = model(part) if case == "learning_phase" else model(part, training=True)
+            loss = tf.reduce_mean(tf.square(tf.cast(out, tf.float32) - y[i * batch:(i + 1) * batch]))
+            grads.append(optimizer.compute_gradients(loss, model.trainable_weights))
+            updates += model.get_updates_for(part)
+    averaged = [(tf.add_n([g[j][0] for g in grads]) / towers, grads[0][j][1]) for j in range(len(grads[0]))]
+    train_op = tf.group(optimizer.apply_gradients(averaged), *updates, name="train_op")
+    session.run(tf1.global_variables_initializer())
+    _initial(model)
+    feeds = {keras.backend.learning_phase(): 1} if case == "learning_phase" else {}
+    total = towers * batch
+    for step in range(STEPS):
+        part = slice(step * total, (step + 1) * total)
+        session.run(train_op, {x: images[part], y: targets[part], **feeds})
+    return model
+
+
+def _multi_gpu(model: keras.Model, towers: int) -> keras.Model:
+    """keras.utils.multi_gpu_model as Keras 2.2 wrote it: slice, call per device, concatenate."""
+    def get_slice(data: tf.Tensor, i: int, parts: int) -> tf.Tensor:
+        size = tf.shape(data)[:1] // parts
+        return data[i * size[0]:(i + 1) * size[0]]
+
+    inputs = keras.Input(model.input_shape[1:])
+    outputs = []
+    for i in range(towers):
+        with tf.device(f"/cpu:{i}"), tf1.name_scope(f"replica_{i}"):
+            part = keras.layers.Lambda(get_slice, arguments={"i": i, "parts": towers})(inputs)
+            outputs.append(model(part))
+    with tf.device("/cpu:0"):
+        merged = keras.layers.concatenate(outputs, axis=0)
+    return keras.Model(inputs, merged)
+
+
+def _fit(case: str, towers: int, batch: int, images: np.ndarray, targets: np.ndarray) -> keras.Model:
+    _session(towers)
+    if case == "mirrored_fit" and towers > 1:
+        with tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(towers)]).scope():
+            model = _model(case)
+            model.compile(keras.optimizers.legacy.SGD(0.1), "mse")
+        trained = model
+    else:
+        model = _model(case)
+        trained = _multi_gpu(model, towers) if towers > 1 else model
+        trained.compile(keras.optimizers.legacy.SGD(0.1), "mse")
+    _initial(model)
+    trained.fit(images, targets, batch_size=towers * batch, epochs=1, shuffle=False, verbose=0)
+    return model
+
+
+def _weights(model: keras.Model) -> dict[str, np.ndarray]:
+    return {w.name.split(":")[0]: value for w, value in zip(model.weights, model.get_weights())}
+
+
+def _inference(case: str, images: np.ndarray, targets: np.ndarray, directory: str) -> dict[str, np.ndarray]:
+    """A new graph with the model for inference restoring each checkpoint: predict, evaluate."""
+    out = {}
+    for how in ("keras", "saver"):
+        tf1.reset_default_graph()
+        keras.backend.clear_session()
+        session = _session(1)
+        model = _model(case)
+        if how == "keras":
+            model.load_weights(os.path.join(directory, "weights"))
+        else:
+            tf1.train.Saver(model.weights).restore(session, os.path.join(directory, "saver"))
+        model.compile(keras.optimizers.legacy.SGD(0.1), "mse")
+        out[f"predict_{how}"] = model.predict(images[:8], batch_size=8, verbose=0)
+        out[f"evaluate_{how}"] = np.array(model.evaluate(images[:8], targets[:8], batch_size=8, verbose=0))
+        x = tf1.placeholder(tf.float32, [8, *images.shape[1:]])
+        out[f"inference_{how}"] = session.run(model(x, training=False), {x: images[:8]})
+    return out
+
+
+def train(case: str, towers: int, batch: int, perturb: float = 0.0) -> dict[str, np.ndarray]:
+    """Train `case` on `towers` devices with `batch` examples each (in a graph of its own);
+    its weights, then the inference graphs' outputs."""
+    tf1.reset_default_graph()
+    keras.backend.clear_session()
+    keras.mixed_precision.set_global_policy("mixed_float16" if case == "float16" else "float32")
+    images, targets = _data(case, STEPS * towers * batch, perturb)
+    model = (_fit if case in ("multi_gpu", "mirrored_fit") else _per_tower)(case, towers, batch, images, targets)
+    weights = _weights(model)
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_weights(os.path.join(directory, "weights"))
+        tf1.train.Saver(model.weights).save(backend.get_session(), os.path.join(directory, "saver"))
+        weights.update(_inference(case, images, targets, directory))
+    return weights
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", help="a directory: CASE.npz for each case (--reference: CASE.one.npz, the one-device "
+                                    "run; CASE.perturbed.npz, the same with its images scaled by 1 + 1e-7; "
+                                    "CASE.towers.npz, the towers as built)")
+    parser.add_argument("cases", nargs="+", choices=CASES)
+    parser.add_argument("--towers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--reference", action="store_true")
+    args = parser.parse_args()
+    tf1.disable_eager_execution()
+    for case in args.cases:
+        if not args.reference:
+            np.savez(os.path.join(args.out, f"{case}.npz"), **train(case, args.towers, args.batch))
+            continue
+        whole = args.towers * args.batch
+        np.savez(os.path.join(args.out, f"{case}.one.npz"), **train(case, 1, whole))
+        np.savez(os.path.join(args.out, f"{case}.perturbed.npz"), **train(case, 1, whole, 1e-7))
+        np.savez(os.path.join(args.out, f"{case}.towers.npz"), **train(case, args.towers, args.batch))
+
+
+if __name__ == "__main__":
+    main()
