@@ -7,7 +7,9 @@ the model, the same trainer in a multiprocessing 'spawn' child, a float64 model)
 same models on one device fed the whole batch, and K towers without bnrewrite missing them,
 both trained in process. In process: a graph with a layer that cannot be synchronized is
 refused by enable(), convert and inspect; a model added to a graph after its session was
-synchronized, or one built after a session on its graph ran, stops the next run.
+synchronized, or one built after a session on its graph ran, moves the session to the new
+synchronized graph with its variables' values (bit for bit as a session made after it), unless
+the session holds state other than variables (an iterator), which is refused.
 """
 
 import os
@@ -88,38 +90,76 @@ def _step(sess, model) -> float:
     return sess.run([loss, train], feed)[0]
 
 
-def test_a_model_added_after_the_session_was_synchronized_stops_the_next_run(capsys):
-    bnrewrite.enable()
+def _values(sess) -> dict:
+    return {v.op.name: sess.run(v) for v in tf1.global_variables()}
+
+
+def _model_added_late(config) -> tuple[dict, list[float]]:
+    """Model a trained a step, model b added, both trained a step; the variables and losses."""
     graph, (first,) = _two_models_graph(second=False)
-    config = tf1.ConfigProto(device_count={"CPU": K})
     with graph.as_default(), tf1.Session(graph=graph, config=config) as sess:
         sess.run(tf1.global_variables_initializer())
-        _step(sess, first)
+        losses = [_step(sess, first)]
         with tf1.variable_scope("b"):
             inputs, loss, _, train = silent_cases.build(K, B, tf.float32, silent_cases._cifar10_tower)
-        with pytest.raises(UnsyncedLayerError, match=r"6 training batch-norm op\(s\) were added after its session was "
-                                                     r"synchronized and would train unsynchronized \(b/tower_0/"):
-            sess.run(tf1.variables_initializer(tf1.global_variables("b")))
-    bnrewrite.enable(allow_unsynced=True)  # the same, with a warning
-    graph, (first,) = _two_models_graph(second=False)
+        sess.run(tf1.variables_initializer(tf1.global_variables("b")))
+        losses += [_step(sess, first), _step(sess, (inputs, loss, train))]
+        return _values(sess), losses
+
+
+def test_a_model_added_after_the_session_was_synchronized_moves_the_session_with_its_variables(capsys):
+    config = tf1.ConfigProto(device_count={"CPU": K})
+    bnrewrite.enable()
+    late, late_losses = _model_added_late(config)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bnrewrite:")]
+    assert any("synchronized across 2 towers" in line and line.split(": ", 2)[2].startswith("6 ") for line in lines), lines
+    assert any("moves to the synchronized graph with the values of its" in line for line in lines), lines
+    graph, (first, second) = _two_models_graph(second=True)  # both built before the session
     with graph.as_default(), tf1.Session(graph=graph, config=config) as sess:
         sess.run(tf1.global_variables_initializer())
-        with tf1.variable_scope("b"):
-            silent_cases.build(K, B, tf.float32, silent_cases._cifar10_tower)
-        _step(sess, first)
-        _step(sess, first)
-    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
-    assert len(warnings) == 1 and "(--allow-unsynced: they run UNSYNCHRONIZED)" in warnings[0]
+        early_losses = [_step(sess, first), _step(sess, first), _step(sess, second)]
+        early = _values(sess)
+    assert late_losses == early_losses and all(np.array_equal(late[k], early[k]) for k in early)
+    bnrewrite.disable()
+    unsynced, _ = _model_added_late(config)
+    assert _error(unsynced, early) > 0.1  # model b's layers train otherwise unsynchronized
 
 
-def test_a_model_built_after_its_graph_s_session_ran_is_refused():
+def test_a_model_built_after_its_graph_s_session_ran_moves_the_session_with_its_variables(capsys):
+    bnrewrite.enable()
+    config = tf1.ConfigProto(device_count={"CPU": K})
+    with tf.Graph().as_default():
+        counter = tf1.get_variable("counter", [], initializer=tf1.zeros_initializer(), use_resource=True)
+        legacy = tf1.get_variable("legacy", [2], initializer=tf1.ones_initializer(), use_resource=False)
+        sess = tf1.InteractiveSession(config=config)
+        sess.run([counter.initializer, legacy.initializer])
+        sess.run([counter.assign(7.0), legacy.assign([3.0, 4.0])])  # state a move must keep
+        model = silent_cases.build(K, B, tf.float32, silent_cases._cifar10_tower)
+        sess.run(tf1.variables_initializer([v for v in tf1.global_variables() if v.op.name not in ("counter", "legacy")]))
+        late = [_step(sess, (model[0], model[1], model[3])) for _ in range(2)]
+        assert sess.run(counter) == 7.0 and list(sess.run(legacy)) == [3.0, 4.0]
+        sess.close()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bnrewrite:")]
+    assert any("its session ran before the graph trained batch norm on several towers" in line
+               and "its 2 initialized variable(s)" in line for line in lines), lines
+    with tf.Graph().as_default():  # the session made after the model
+        model = silent_cases.build(K, B, tf.float32, silent_cases._cifar10_tower)
+        with tf1.Session(config=config) as sess:
+            sess.run(tf1.global_variables_initializer())
+            assert late == [_step(sess, (model[0], model[1], model[3])) for _ in range(2)]
+
+
+def test_a_session_holding_an_iterator_before_the_model_is_refused():
     bnrewrite.enable(quiet=True)
+    config = tf1.ConfigProto(device_count={"CPU": K})
     with tf.Graph().as_default() as graph:
-        sess = tf1.InteractiveSession(config=tf1.ConfigProto(device_count={"CPU": K}))
-        sess.run(tf.constant(1.0))  # the session has run: what it holds would be lost by a move
-        _, loss, _, train = silent_cases.build(K, B, tf.float32, silent_cases._cifar10_tower)
-        with pytest.raises(UnsyncedLayerError, match="gained multi-tower training batch norm after a session on it had "
-                                                     "run .*create the session after building the model"):
+        iterator = tf1.data.make_initializable_iterator(tf.data.Dataset.range(3))
+        sess = tf1.Session(config=config)
+        sess.run(iterator.initializer)  # state in the session that is not a variable
+        sess.run(iterator.get_next())
+        silent_cases.build(K, B, tf.float32, silent_cases._cifar10_tower)
+        with pytest.raises(UnsyncedLayerError, match=r"holds state other than variables \(IteratorV2 \(IteratorV2\)\) "
+                                                     "that cannot be moved"):
             sess.run(tf1.global_variables_initializer())
         sess.close()
     assert graph.version  # the graph itself is left as built

@@ -1,0 +1,146 @@
+"""Keras models trained on several devices in graph mode, as people wrote it (issue 39), run
+unmodified under `bnrewrite run`, train like one device fed the whole batch.
+
+The oracle: tests/scripts/keras_towers.py under `bnrewrite run` (2 towers x 4 examples, 3 steps)
+against the same script's one-device run (8 examples), judged by the noise floor: the effect of
+scaling the one-device run's images by 1 + 1e-7. Every weight and moving statistic, and the
+outputs of `predict`, `evaluate` and a `training=False` call in a new graph restoring the
+checkpoint (`save_weights`/`load_weights` and a tf.compat.v1 Saver), must lie within a few floors
+of the one-device run, where the towers as built (plain python) miss it by far more. In process:
+the rule that only live work is a tower (the call that built a Keras model on its own Input is
+no tower), and the cause a real mismatch is refused with.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from bnrewrite import TowerMismatchError, rewrite_graph
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "keras_towers.py")
+SMALL = ("functional", "learning_phase", "set_learning_phase", "sequential", "unfused", "renorm", "float16", "multi_gpu")
+#: Below these a difference is rounding whatever the floor (float32: tens of ulps; float16: ten ulps).
+ROUNDING = {"float16": 1e-2}
+tf1 = tf.compat.v1
+
+
+def _errors(got, expected) -> dict[str, float]:
+    """Per quantity, max |got - expected| / max(max |expected|, 1e-3)."""
+    assert sorted(got.files) == sorted(expected.files)
+    return {k: float(np.abs(got[k].astype(np.float64) - expected[k]).max() / max(np.abs(expected[k]).max(), 1e-3))
+            for k in expected.files}
+
+
+def _judge(case: str, directory: str) -> str:
+    """Assert the synchronized run lies within the noise floor of the one-device run, quantity by
+    quantity (5 floors) and over all (2), and that the towers as built lie far outside (5)."""
+    out, ref = os.path.join(directory, "run"), os.path.join(directory, "ref")
+    with np.load(os.path.join(ref, f"{case}.one.npz")) as one:
+        with np.load(os.path.join(out, f"{case}.npz")) as run:
+            synced = _errors(run, one)
+        with np.load(os.path.join(ref, f"{case}.perturbed.npz")) as perturbed:
+            floor = _errors(perturbed, one)
+        with np.load(os.path.join(ref, f"{case}.towers.npz")) as towers:
+            apart = _errors(towers, one)
+    rounding = ROUNDING.get(case, 1e-6)
+    over = {k: (synced[k], floor[k]) for k in floor if synced[k] > 5 * max(floor[k], rounding)}
+    assert not over, f"{case}: beyond 5 noise floors: {over}"
+    total = {name: float(np.linalg.norm(list(errors.values()))) for name, errors in
+             (("synced", synced), ("floor", floor), ("apart", apart))}
+    bound = max(total["floor"], rounding)
+    assert total["synced"] <= 2 * bound and total["apart"] >= 5 * bound, (case, total)
+    return (f"{case}: {max(synced.values()):.1e} from one device (noise floor {max(floor.values()):.1e}), "
+            f"towers as built {max(apart.values()):.2f}")
+
+
+def _run_both(directory, cases: tuple[str, ...]) -> str:
+    """The script under `bnrewrite run` and its references under python, side by side; run's stderr."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT}
+    for name in ("run", "ref"):
+        os.makedirs(os.path.join(directory, name))
+    common = dict(cwd=str(directory), env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                  stdin=subprocess.DEVNULL)
+    run = subprocess.Popen([sys.executable, "-m", "bnrewrite", "run", SCRIPT, "run", *cases], **common)
+    ref = subprocess.Popen([sys.executable, SCRIPT, "ref", *cases, "--reference"], **common)
+    _, run_err = run.communicate(timeout=900)
+    _, ref_err = ref.communicate(timeout=900)
+    assert ref.returncode == 0, ref_err[-3000:]
+    assert run.returncode == 0, run_err[-3000:]
+    return run_err
+
+
+def test_keras_tower_trainers_train_like_one_device(tmp_path):
+    err = _run_both(tmp_path, SMALL)
+    for case in SMALL:
+        print(_judge(case, str(tmp_path)))
+    lines = [line for line in err.splitlines() if line.startswith("bnrewrite:")]
+    synced = [line for line in lines if "2 batch-norm layer(s) synchronized across 2 towers (/device:CPU:0, " in line]
+    assert len(synced) == len(SMALL), lines
+    assert any("moves to the synchronized graph with the values of its" in line for line in lines), lines
+    assert not any("error" in line or "warning" in line for line in lines), lines
+
+
+def test_mobilenet_v2_per_tower_trains_like_one_device(tmp_path):
+    err = _run_both(tmp_path, ("mobilenet",))
+    print(_judge("mobilenet", str(tmp_path)))
+    assert any("52 batch-norm layer(s) synchronized across 2 towers" in line for line in err.splitlines()), err[-2000:]
+
+
+def _keras_towers(trained: tuple[int, ...] = (0, 1)) -> tf.Graph:
+    """A tf_keras functional model built on its own Input, called per tower on /cpu:0 and /cpu:1;
+    the gradients of the `trained` towers averaged (none: no gradients, the updates alone)."""
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    import tf_keras as keras
+
+    graph = tf.Graph()
+    with graph.as_default():
+        inputs = keras.Input((6, 6, 3))
+        x = keras.layers.Conv2D(4, 3, use_bias=False, name="conv")(inputs)
+        x = keras.layers.BatchNormalization(name="bn")(x, training=True)
+        model = keras.Model(inputs, keras.layers.GlobalAveragePooling2D()(x))
+        images = tf1.placeholder(tf.float32, [8, 6, 6, 3], name="images")
+        optimizer = tf1.train.GradientDescentOptimizer(0.1)
+        grads, updates = [], []
+        for i in range(2):
+            with tf.device(f"/cpu:{i}"), tf1.name_scope(f"tower_{i}"):
+                part = images[4 * i:4 * i + 4]
+                loss = tf.reduce_mean(tf.square(model(part, training=True)))
+                if i in trained:
+                    grads.append(optimizer.compute_gradients(loss, model.trainable_weights))
+                updates += model.get_updates_for(part)
+        if grads:
+            averaged = [(tf.add_n([g[j][0] for g in grads]) / len(grads), grads[0][j][1]) for j in range(len(grads[0]))]
+            updates.append(optimizer.apply_gradients(averaged))
+        tf.group(*updates, name="train_op")
+    return graph
+
+
+def test_the_call_that_built_a_keras_model_is_no_tower():
+    report = rewrite_graph(_keras_towers().as_graph_def()).report
+    assert report.towers == ["/device:CPU:0", "/device:CPU:1"]
+    assert [[site.split("/", 1)[0] for site in row.sites] for row in report.layers] == [["tower_0", "tower_1"]]
+    assert report.not_run == ["bn/FusedBatchNormV3"], report.not_run
+    assert any("1 training batch-norm op(s) that no training step runs left as they are, not towers" in note
+               for note in report.notes), report.notes
+    assert report.to_dict()["not_run"] == report.not_run and not report.skipped
+
+
+def test_without_gradients_every_training_batch_norm_counts():
+    """No gradient, no evidence of what a step runs: nothing is set aside (under `bnrewrite run`
+    such a graph runs as it is until gradients are added)."""
+    report = rewrite_graph(_keras_towers(trained=()).as_graph_def()).report
+    assert report.not_run == [] and "bn/FusedBatchNormV3" in report.layers[0].sites
+    assert any("only their forward pass is synchronized" in note for note in report.notes)
+
+
+def test_a_layer_trained_in_one_tower_only_is_refused_naming_the_towers():
+    with pytest.raises(TowerMismatchError) as caught:  # tower 1 computes its loss, but no gradient of it
+        rewrite_graph(_keras_towers(trained=(0,)).as_graph_def())
+    message = str(caught.value)
+    assert "tower /device:CPU:0" in message and "tower /device:CPU:1 (tower_1/" in message, message
+    assert "trained in one tower and not in the other" in message and "check that every tower" not in message
