@@ -7,10 +7,16 @@ the session a new TensorFlow session on it; what the old session holds is read o
 written into the new one, variable by variable, under the variables' own names (the rewrite
 keeps every variable and its name).
 
+State other than variables (queues, iterators, tables, readers) cannot be read out. The one form
+of it that can be remade is state the old session only started: runs that reached nothing of it
+but its initializers (MakeIterator, MultiDeviceIteratorInit, table initializers), wrote no
+variable and took no feed are run again on the new session (Keras' MirroredStrategy fit
+initializes its MultiDeviceIterator before it builds the train function). Anything else that
+touched such state (a GetNext, an enqueue, a fed initializer) leaves the session to be refused.
+
 Invariant: the new session starts with every variable the old one had initialized, at the value
-it had, and the old session is closed; state other than variables (queues, iterators, tables,
-readers) cannot be carried, and a graph that holds any is left to the caller to refuse.
-Importing this module does not import TensorFlow.
+it had, and with the non-variable state the old one had started, from its start; the old session
+is closed. Importing this module does not import TensorFlow.
 """
 
 from __future__ import annotations
@@ -20,24 +26,61 @@ from typing import Any
 
 from bnrewrite.c_graph import import_fragment, operations
 
-#: Stateful ops whose state lives in the session and is not a variable: not carried.
+#: Stateful ops whose state lives in the session and is not a variable: not read out.
 _UNCARRIED = ("Queue", "Iterator", "Table", "Reader", "Stack", "Barrier", "Accumulator", "TensorArray")
+#: Ops that start such state from its definition, and ops that only read its handle's name.
+_STARTERS = frozenset({"MakeIterator", "MultiDeviceIteratorInit", "InitializeTable", "InitializeTableV2",
+                       "InitializeTableFromTextFile", "InitializeTableFromTextFileV2"})
 _VARIABLES = frozenset({"VarHandleOp", "VariableV2", "Variable"})
+_WRITES = ("Assign", "Apply", "Scatter")  # in the types of ops that write variables
 _serial = itertools.count()
 
 
-def uncarried(script_ops: list[Any]) -> str:
-    """An op holding session state other than variables ("" if none): the first one found."""
-    for op in script_ops:
-        if any(kind in op.type for kind in _UNCARRIED):
-            return f"{op.name} ({op.type})"
-    return ""
+def restarts(graph: Any, seen: list[Any], runs: list[tuple[list[str], bool]]) -> tuple[list[list[str]], str]:
+    """The recorded `runs` (op names, whether fed) of the old session that started state other
+    than variables held by ops among `seen` (the ops it may have run), to run again on the new
+    session; or why that state cannot be remade ("" when it can)."""
+    held = {op.name for op in seen if not op.inputs and any(kind in op.type for kind in _UNCARRIED)}  # the makers
+    if not held:
+        return [], ""
+    again = []
+    for names, fed in runs:
+        reached = _ancestors(graph, names)
+        users = [op for op in reached if any(t.op.name in held for t in op.inputs)]
+        if not users:
+            continue
+        other = next((op for op in users if op.type not in _STARTERS and not op.type.endswith("ToStringHandle")), None)
+        writer = next((op for op in reached if op.type.startswith(_WRITES) or "Apply" in op.type), None)
+        if other is not None or writer is not None or fed:
+            user = other or users[0]
+            maker = next(t.op for t in user.inputs if t.op.name in held)
+            why = (f"ran {other.name} ({other.type}) on it" if other is not None else
+                   f"started it in a run that also wrote {writer.name}" if writer is not None else
+                   "started it in a run with feeds")
+            return [], f"{maker.name} ({maker.type}: {why})"
+        again.append(names)
+    return again, ""
 
 
-def carry(session: Any, old_graph: Any, script_ops: list[Any], new_graph: Any) -> tuple[Any, int]:
+def _ancestors(graph: Any, names: list[str]) -> list[Any]:
+    """The ops of `graph` a run of `names` runs (data and control inputs, transitively)."""
+    stack = [graph.get_operation_by_name(name) for name in names]
+    seen = {op.name: op for op in stack}
+    while stack:
+        op = stack.pop()
+        for source in [t.op for t in op.inputs] + list(op.control_inputs):
+            if source.name not in seen:
+                seen[source.name] = source
+                stack.append(source)
+    return list(seen.values())
+
+
+def carry(session: Any, old_graph: Any, script_ops: list[Any], new_graph: Any,
+          again: list[list[str]]) -> tuple[Any, int]:
     """A new TensorFlow session on `new_graph` holding the values of the variables the TF session
     under `session` (on `old_graph`) has initialized, and how many; the variables are those
-    among `script_ops` (the ops of the script's graph)."""
+    among `script_ops` (the ops of the script's graph). The runs `again` (op names) are then
+    run on it, in order (restarts)."""
     from tensorflow.python.client import pywrap_tf_session as tf_session
 
     old_ops = operations(old_graph)
@@ -55,6 +98,11 @@ def carry(session: Any, old_graph: Any, script_ops: list[Any], new_graph: Any) -
         tf_session.TF_DeleteSessionOptions(options)
     if carried:
         _write(new, kinds, carried, new_graph)
+    if again:
+        new_ops = operations(new_graph)
+        tf_session.ExtendSession(new)
+        for names in again:
+            tf_session.TF_SessionRun_wrapper(new, None, {}, [], [new_ops[name] for name in names], None)
     return new, len(carried)
 
 

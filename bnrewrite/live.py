@@ -32,7 +32,7 @@ from typing import Any, NoReturn
 
 from bnrewrite.arguments import check_arguments
 from bnrewrite.c_graph import import_fragment, operations
-from bnrewrite.carry import carry, uncarried
+from bnrewrite.carry import carry, restarts
 from bnrewrite.errors import (
     AlreadyRewrittenError,
     BnRewriteError,
@@ -371,7 +371,7 @@ def _patch(module: Any) -> None:
         if shadow is None:
             init(self, target, graph, config)
             # While enabled, it can still move to a shadow (_late_shadow); made while disabled, it runs as it is.
-            self._bnrewrite_watch, self._bnrewrite_ran = _state.options is not None, 0
+            self._bnrewrite_watch, self._bnrewrite_ran, self._bnrewrite_runs = _state.options is not None, 0, []
             return
         init(self, target, shadow.graph, config)
         self._graph = script_graph
@@ -387,6 +387,9 @@ def _patch(module: Any) -> None:
     def _do_run(self: Any, handle: Any, target_list: Any, fetch_list: Any, feed_dict: Any, options: Any,
                 run_metadata: Any) -> Any:
         shadow = _current(self)
+        if getattr(self, "_bnrewrite_watch", False):  # what it runs, should it move later (bnrewrite.carry)
+            self._bnrewrite_runs.append(([op.name for op in target_list] + [t.op.name for t in fetch_list],
+                                         bool(feed_dict)))
         if shadow is not None:
             if shadow.missing:
                 shadow.refuse_missing(op.name for op in target_list)
@@ -467,14 +470,14 @@ def _move(session: Any, shadow: Shadow, old_graph: Any) -> Shadow | None:
         how = "its session was created before the model: it runs the synchronized graph from its first step"
     else:
         script_ops = session._graph.get_operations()
-        held = uncarried(script_ops[:session._bnrewrite_ran])
+        again, held = restarts(session._graph, script_ops[:session._bnrewrite_ran], getattr(session, "_bnrewrite_runs", []))
         if held:
             _late_refusal(shadow.number, shadow.options, UnsyncedLayerError(
                 f"it gained multi-tower training batch norm after a session on it had run, and that session holds "
                 f"state other than variables ({held}) that cannot be moved to the synchronized graph; it would train "
                 "unsynchronized: build the whole model, train op included, before the first session.run"))
             return None
-        new, count = carry(session, old_graph, script_ops, shadow.graph)
+        new, count = carry(session, old_graph, script_ops, shadow.graph, again)
         how = (f"its session ran before the graph trained batch norm on several towers (e.g. Keras' fit after "
                f"compile): it moves to the synchronized graph with the values of its {count} initialized variable(s)")
     old, session._session = session._session, new

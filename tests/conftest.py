@@ -55,7 +55,6 @@ SLOW_TESTS = (
     "test_run.py::test_ctrl_c",
     "test_one_device.py::test_run_leaves_one_device_programs",
     "test_silent.py::test_run_synchronizes",
-    "test_silent.py::test_keras_fit_under_mirrored_strategy",
     "test_keras_towers.py::test_keras_tower_trainers_train_like_one_device",
     "test_keras_towers.py::test_mobilenet_v2_per_tower_trains_like_one_device",
     *(f"test_stepcheck.py::test_every_form_verifies_in_process[{form}]" for form in (

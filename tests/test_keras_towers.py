@@ -23,7 +23,8 @@ from bnrewrite import TowerMismatchError, rewrite_graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "keras_towers.py")
-SMALL = ("functional", "learning_phase", "set_learning_phase", "sequential", "unfused", "renorm", "float16", "multi_gpu")
+SMALL = ("functional", "learning_phase", "set_learning_phase", "sequential", "unfused", "renorm", "float16", "multi_gpu",
+         "mirrored_fit")
 #: Below these a difference is rounding whatever the floor (float32: tens of ulps; float16: ten ulps).
 ROUNDING = {"float16": 1e-2}
 tf1 = tf.compat.v1
@@ -79,7 +80,7 @@ def test_keras_tower_trainers_train_like_one_device(tmp_path):
     for case in SMALL:
         print(_judge(case, str(tmp_path)))
     lines = [line for line in err.splitlines() if line.startswith("bnrewrite:")]
-    synced = [line for line in lines if "2 batch-norm layer(s) synchronized across 2 towers (/device:CPU:0, " in line]
+    synced = [line for line in lines if "2 batch-norm layer(s) synchronized across 2 towers (" in line and "CPU:1" in line]
     assert len(synced) == len(SMALL), lines
     assert any("moves to the synchronized graph with the values of its" in line for line in lines), lines
     assert not any("error" in line or "warning" in line for line in lines), lines
