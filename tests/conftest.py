@@ -57,6 +57,7 @@ SLOW_TESTS = (
     "test_silent.py::test_run_synchronizes",
     "test_keras_towers.py::test_keras_tower_trainers_train_like_one_device",
     "test_keras_towers.py::test_mobilenet_v2_per_tower_trains_like_one_device",
+    "test_keras_towers.py::test_the_keras_example",
     *(f"test_stepcheck.py::test_every_form_verifies_in_process[{form}]" for form in (
         "fused op", "fused NCHW", "fused float16", "fused bfloat16", "renorm", "moments cond v1", "fused cond v1",
         "fused 4 towers")),

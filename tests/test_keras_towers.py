@@ -23,8 +23,8 @@ from bnrewrite import TowerMismatchError, rewrite_graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "keras_towers.py")
-SMALL = ("functional", "learning_phase", "set_learning_phase", "sequential", "unfused", "renorm", "float16", "multi_gpu",
-         "mirrored_fit")
+SMALL = ("functional", "learning_phase", "cond_v1", "set_learning_phase", "update_ops", "sequential", "unfused",
+         "renorm", "float16", "multi_gpu", "mirrored_fit")
 #: Below these a difference is rounding whatever the floor (float32: tens of ulps; float16: ten ulps).
 ROUNDING = {"float16": 1e-2}
 tf1 = tf.compat.v1
@@ -145,3 +145,35 @@ def test_a_layer_trained_in_one_tower_only_is_refused_naming_the_towers():
     message = str(caught.value)
     assert "tower /device:CPU:0" in message and "tower /device:CPU:1 (tower_1/" in message, message
     assert "trained in one tower and not in the other" in message and "check that every tower" not in message
+
+
+def _checkpoint(prefix: str) -> dict[str, np.ndarray]:
+    reader = tf.train.load_checkpoint(prefix)
+    values = {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}
+    return {name: value for name, value in values.items() if isinstance(value, np.ndarray) and value.dtype.kind == "f"}
+
+
+def test_the_keras_example_trains_like_one_device(tmp_path):
+    """examples/keras_multi_gpu_train.py, 2 towers x 4 under `bnrewrite run`, against
+    `--num_gpus 1 --batch_size 8` and the towers as built, side by side."""
+    example = os.path.join(ROOT, "examples", "keras_multi_gpu_train.py")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT}
+    runs = {name: subprocess.Popen([*prefix, example, "--num_gpus", str(k), "--batch_size", str(8 // k),
+                                    "--weights", str(tmp_path / name / "weights")], cwd=str(tmp_path), env=env,
+                                   text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+            for name, prefix, k in (("run", [sys.executable, "-m", "bnrewrite", "run"], 2),
+                                    ("one", [sys.executable], 1), ("towers", [sys.executable], 2))}
+    for name, process in runs.items():
+        out, err = process.communicate(timeout=600)
+        assert process.returncode == 0, (name, err[-3000:])
+        if name == "run":
+            assert out.count("step ") == 3 and "2 batch-norm layer(s) synchronized across 2 towers" in err, err[-2000:]
+    one = _checkpoint(str(tmp_path / "one" / "weights"))
+    assert len(one) == 12  # kernels, dense bias, gamma, beta and both moving statistics of 2 layers
+
+    def error(values: dict[str, np.ndarray]) -> float:
+        return max(float(np.abs(values[k] - one[k]).max() / max(np.abs(one[k]).max(), 1e-3)) for k in one)
+
+    synced, apart = error(_checkpoint(str(tmp_path / "run" / "weights"))), error(_checkpoint(str(tmp_path / "towers" / "weights")))
+    print(f"keras example: {synced:.1e} from one device, towers as built {apart:.2f}")
+    assert synced < 3e-5 and apart > 0.1

@@ -4,8 +4,10 @@
   `tf.device` (`model(x, training=True)`), gradients averaged, `model.get_updates_for(x)` of
   every tower in the train op.
 * learning_phase: the same called as `model(x)`: batch norm under the learning-phase cond, the
-  phase fed 1 in training.
+  phase fed 1 in training; cond_v1: the same built with control flow v1 (Switch/Merge).
 * set_learning_phase: the same after `keras.backend.set_learning_phase(1)` (no cond).
+* update_ops: the towers' updates put in UPDATE_OPS, the train op under
+  `tf.control_dependencies(UPDATE_OPS)`.
 * sequential: a Sequential with `input_shape=` (built at construction), called per tower.
 * unfused, renorm: the functional model with `fused=False` / `renorm=True` batch norm.
 * float16: the functional model under tf_keras' 'mixed_float16' policy.
@@ -41,8 +43,8 @@ import tf_keras as keras  # noqa: E402
 from tf_keras.src import backend  # noqa: E402
 
 tf1 = tf.compat.v1
-CASES = ("functional", "learning_phase", "set_learning_phase", "sequential", "unfused", "renorm", "float16",
-         "mobilenet", "multi_gpu", "mirrored_fit")
+CASES = ("functional", "learning_phase", "cond_v1", "set_learning_phase", "update_ops", "sequential", "unfused",
+         "renorm", "float16", "mobilenet", "multi_gpu", "mirrored_fit")
 STEPS, CLASSES = 3, 3
 
 
@@ -122,15 +124,21 @@ def _per_tower(case: str, towers: int, batch: int, images: np.ndarray, targets: 
     for i in range(towers):
         with tf.device(f"/cpu:{i}"), tf1.name_scope(f"tower_{i}"):
             part = x[i * batch:(i + 1) * batch]
-            out = model(part) if case == "learning_phase" else model(part, training=True)
+            out = model(part) if case in ("learning_phase", "cond_v1") else model(part, training=True)
             loss = tf.reduce_mean(tf.square(tf.cast(out, tf.float32) - y[i * batch:(i + 1) * batch]))
             grads.append(optimizer.compute_gradients(loss, model.trainable_weights))
             updates += model.get_updates_for(part)
     averaged = [(tf.add_n([g[j][0] for g in grads]) / towers, grads[0][j][1]) for j in range(len(grads[0]))]
-    train_op = tf.group(optimizer.apply_gradients(averaged), *updates, name="train_op")
+    if case == "update_ops":  # the TF1 habit: updates in the collection, the train op waiting on them
+        for update in updates:
+            tf1.add_to_collection(tf1.GraphKeys.UPDATE_OPS, update)
+        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+            train_op = optimizer.apply_gradients(averaged, name="train_op")
+    else:
+        train_op = tf.group(optimizer.apply_gradients(averaged), *updates, name="train_op")
     session.run(tf1.global_variables_initializer())
     _initial(model)
-    feeds = {keras.backend.learning_phase(): 1} if case == "learning_phase" else {}
+    feeds = {keras.backend.learning_phase(): 1} if case in ("learning_phase", "cond_v1") else {}
     total = towers * batch
     for step in range(STEPS):
         part = slice(step * total, (step + 1) * total)
@@ -201,6 +209,7 @@ def train(case: str, towers: int, batch: int, perturb: float = 0.0) -> dict[str,
     tf1.reset_default_graph()
     keras.backend.clear_session()
     keras.mixed_precision.set_global_policy("mixed_float16" if case == "float16" else "float32")
+    (tf1.disable_control_flow_v2 if case == "cond_v1" else tf1.enable_control_flow_v2)()
     images, targets = _data(case, STEPS * towers * batch, perturb)
     model = (_fit if case in ("multi_gpu", "mirrored_fit") else _per_tower)(case, towers, batch, images, targets)
     weights = _weights(model)
