@@ -90,12 +90,7 @@ def carry(session: Any, old_graph: Any, script_ops: list[Any], new_graph: Any,
     values = _values(session, [(old_ops[name], index) for _, name, index in reads])
     carried = [(variable, value) for (variable, _, _), value in zip(reads, values) if value is not None]
     kinds = {op.name: op.type for op in script_ops if op.type in _VARIABLES}
-    options = tf_session.TF_NewSessionOptions(target=session._target, config=session._config)
-    try:
-        with new_graph._c_graph.get() as c_graph:
-            new = tf_session.TF_NewSessionRef(c_graph, options)
-    finally:
-        tf_session.TF_DeleteSessionOptions(options)
+    new = new_session(session, new_graph)
     if carried:
         _write(new, kinds, carried, new_graph)
     if again:
@@ -104,6 +99,18 @@ def carry(session: Any, old_graph: Any, script_ops: list[Any], new_graph: Any,
         for names in again:
             tf_session.TF_SessionRun_wrapper(new, None, {}, [], [new_ops[name] for name in names], None)
     return new, len(carried)
+
+
+def new_session(session: Any, graph: Any) -> Any:
+    """A TensorFlow session on `graph`'s C graph, with the target and config of Python `session`."""
+    from tensorflow.python.client import pywrap_tf_session as tf_session
+
+    options = tf_session.TF_NewSessionOptions(target=session._target, config=session._config)
+    try:
+        with graph._c_graph.get() as c_graph:
+            return tf_session.TF_NewSessionRef(c_graph, options)
+    finally:
+        tf_session.TF_DeleteSessionOptions(options)
 
 
 def _readers(script_ops: list[Any], old_ops: dict[str, Any]) -> list[tuple[str, str, int]]:

@@ -32,7 +32,7 @@ from typing import Any, NoReturn
 
 from bnrewrite.arguments import check_arguments
 from bnrewrite.c_graph import import_fragment, operations
-from bnrewrite.carry import carry, restarts
+from bnrewrite.carry import carry, new_session, restarts
 from bnrewrite.errors import (
     AlreadyRewrittenError,
     BnRewriteError,
@@ -86,6 +86,7 @@ class Shadow:
     config: Any = None  # the ConfigProto of the session that made it
     signature: tuple = ()  # what the rewrite synchronized and skipped (_signature)
     replaced_by: "Shadow | None" = None  # the shadow of the graph grown since, which sessions move to
+    sites: dict[str, int] = field(default_factory=dict)  # training batch norms the rewrite saw (_sites)
 
     def catch_up(self, script_graph: Any) -> None:
         """Copy the ops added to `script_graph` since the last call; an op that reads a missing
@@ -120,14 +121,33 @@ class _Decision:
 
 
 def _regrow(script_graph: Any, shadow: Shadow) -> None:
-    """Rewrite a grown graph again whole; when that synchronizes otherwise than `shadow` does
-    (new layers, their gradients: a forward pass synchronized before its gradients existed),
-    the new shadow replaces it and every session on it moves there with its variables (_follow)."""
+    """Rewrite a grown graph again whole when it has batch norms or gradients of them that
+    `shadow` lacks (a census tells, at the cost of an export); when the rewrite synchronizes
+    otherwise than `shadow` (new layers, their gradients: a forward pass synchronized before its
+    gradients existed), the new shadow replaces it, and every session on it moves there with its
+    variables (_current)."""
+    from bnrewrite.api import take_census
+    from bnrewrite.graph import Graph
+
+    _, _, census = take_census(Graph.from_graph_def(script_graph.as_graph_def()))
+    found = {s.name: len(s.grads) for s in census.sites}
+    found.update((s.node, -1) for s in (*census.skips, *census.not_run))
+    if found == shadow.sites:
+        return
     with _state.lock:
         decision = _decide(script_graph, shadow.config, shadow.options, again=True, previous=shadow)
         if decision.shadow is not None and decision.shadow is not shadow:
             shadow.replaced_by = decision.shadow
             _state.decisions[script_graph] = decision
+
+
+def _sites(report: Any) -> dict[str, int]:
+    """Every training batch norm a rewrite saw: synced ones with their gradient count, others -1."""
+    found = {site: -1 for site in (*(s["node"] for s in report.skipped), *report.not_run)}
+    for row in report.layers:
+        grads = len(row.gradients) // len(row.sites)
+        found.update((site, grads) for site in row.sites)
+    return found
 
 
 def _signature(report: Any) -> tuple:
@@ -274,7 +294,7 @@ def _shadow(count: int, result: Any, number: int = 0, options: LiveOptions | Non
     removed = {r["node"]: f"the rewrite removed it ({r['why']})" for r in result.report.removed}
     functions = {f.signature.name for f in result.graph_def.library.function}
     return Shadow(shadow_graph, count, removed, functions, number, options, first_step, config=config,
-                  signature=_signature(result.report))
+                  signature=_signature(result.report), sites=_sites(result.report))
 
 
 def _copy_ops(new_ops: list[Any], script_graph: Any, shadow: Shadow) -> None:
@@ -371,7 +391,7 @@ def _patch(module: Any) -> None:
         if shadow is None:
             init(self, target, graph, config)
             # While enabled, it can still move to a shadow (_late_shadow); made while disabled, it runs as it is.
-            self._bnrewrite_watch, self._bnrewrite_ran, self._bnrewrite_runs = _state.options is not None, 0, []
+            self._bnrewrite_watch, self._bnrewrite_ran = _state.options is not None, 0
             return
         init(self, target, shadow.graph, config)
         self._graph = script_graph
@@ -387,9 +407,9 @@ def _patch(module: Any) -> None:
     def _do_run(self: Any, handle: Any, target_list: Any, fetch_list: Any, feed_dict: Any, options: Any,
                 run_metadata: Any) -> Any:
         shadow = _current(self)
-        if getattr(self, "_bnrewrite_watch", False):  # what it runs, should it move later (bnrewrite.carry)
-            self._bnrewrite_runs.append(([op.name for op in target_list] + [t.op.name for t in fetch_list],
-                                         bool(feed_dict)))
+        if shadow is not None or getattr(self, "_bnrewrite_watch", False):  # each kind of run once: should it
+            names = tuple(op.name for op in target_list) + tuple(t.op.name for t in fetch_list)  # move (carry)
+            self.__dict__.setdefault("_bnrewrite_runs", {})[names, bool(feed_dict)] = None
         if shadow is not None:
             if shadow.missing:
                 shadow.refuse_missing(op.name for op in target_list)
@@ -461,16 +481,12 @@ def _move(session: Any, shadow: Shadow, old_graph: Any) -> Shadow | None:
     from tensorflow.python.client import pywrap_tf_session as tf_session
 
     if not getattr(session, "_bnrewrite_ran", 0):
-        options = tf_session.TF_NewSessionOptions(target=session._target, config=session._config)
-        try:
-            with shadow.graph._c_graph.get() as c_graph:
-                new = tf_session.TF_NewSessionRef(c_graph, options)
-        finally:
-            tf_session.TF_DeleteSessionOptions(options)
+        new = new_session(session, shadow.graph)
         how = "its session was created before the model: it runs the synchronized graph from its first step"
     else:
         script_ops = session._graph.get_operations()
-        again, held = restarts(session._graph, script_ops[:session._bnrewrite_ran], getattr(session, "_bnrewrite_runs", []))
+        again, held = restarts(session._graph, script_ops[:session._bnrewrite_ran],
+                               list(getattr(session, "_bnrewrite_runs", {})))
         if held:
             _late_refusal(shadow.number, shadow.options, UnsyncedLayerError(
                 f"it gained multi-tower training batch norm after a session on it had run, and that session holds "

@@ -20,6 +20,7 @@ import pytest
 import tensorflow as tf
 
 from bnrewrite import TowerMismatchError, rewrite_graph
+from bnrewrite.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "keras_towers.py")
@@ -121,8 +122,16 @@ def _keras_towers(trained: tuple[int, ...] = (0, 1)) -> tf.Graph:
     return graph
 
 
-def test_the_call_that_built_a_keras_model_is_no_tower():
-    report = rewrite_graph(_keras_towers().as_graph_def()).report
+def test_the_call_that_built_a_keras_model_is_no_tower(tmp_path, capsys):
+    graph_def = _keras_towers().as_graph_def()
+    path = str(tmp_path / "towers.pb")
+    with open(path, "wb") as f:
+        f.write(graph_def.SerializeToString())
+    assert main(["inspect", "-v", path]) == 0
+    out = capsys.readouterr().out
+    assert "batch-norm ops: 2 in training mode, 0 in inference mode, 1 that no training step runs" in out, out
+    assert "bn/FusedBatchNormV3 (no training step runs it: not a tower)" in out, out
+    report = rewrite_graph(graph_def).report
     assert report.towers == ["/device:CPU:0", "/device:CPU:1"]
     assert [[site.split("/", 1)[0] for site in row.sites] for row in report.layers] == [["tower_0", "tower_1"]]
     assert report.not_run == ["bn/FusedBatchNormV3"], report.not_run

@@ -76,10 +76,13 @@ def _print_census(out: Printer, entry: Any, head: str) -> list[Any]:
     _, _, census = take_census(Graph.from_graph_def(entry.graph_def))
     out.line(f"{head}batch-norm ops: {len(census.sites)} in training mode, {len(census.inference)} in inference mode"
              + (f", {len(census.skips)} unsupported" if census.skips else "")
+             + (f", {len(census.not_run)} that no training step runs" if census.not_run else "")
              + (f", {len(census.rewritten)} nodes already rewritten by bnrewrite" if census.rewritten else ""))
     if out.is_verbose:
         for site in census.sites:
             out.line(f"  {site.name} ({site.op}, {site.data_format}, on {site.device or '(no device)'}, {len(site.grads)} gradient op(s))")
+        for skip in census.not_run:
+            out.line(f"  {skip.node} (no training step runs it: not a tower)")
         for name in census.inference:
             out.line(f"  {name} (inference mode)")
     return census.skips
