@@ -58,6 +58,11 @@ class FirstStep:
         trains = frozenset(node.name for node in nodes if node.name in downstream and node.op.startswith(_WRITERS))
         return cls(check, graph, sites, trains or updates, updates, inputs)
 
+    def learn(self, inputs: dict[str, list[str]]) -> None:
+        """Add nodes copied into the shadow since (node -> the nodes it reads)."""
+        self.inputs.update(inputs)
+        self.reached.clear()
+
     def _reach(self, names: Iterable[str]) -> frozenset[str]:
         """The sites, training updates and kept updates that running `names` runs (one walk per
         new set of names)."""

@@ -335,6 +335,9 @@ def _copy_ops(new_ops: list[Any], script_graph: Any, shadow: Shadow) -> None:
         if name not in shadow.functions and hasattr(function, "definition"):
             fragment.library.function.append(function.definition)
             shadow.functions.add(name)
+    if shadow.first_step is not None:  # a train op built after the session is a step to check too
+        shadow.first_step.learn({node.name: [name.lstrip("^").split(":")[0] for name in node.input]
+                                 for node in fragment.node})
     if fragment.node:
         added = [node.name for node in fragment.node]
         existing.update(zip(added, import_fragment(shadow.graph, fragment.SerializeToString(), inputs, controls, added)))
@@ -381,7 +384,8 @@ def _patch(module: Any) -> None:
     base = module.BaseSession
     if getattr(base, "_bnrewrite_patched", False):
         return
-    init, extend, do_run = base.__init__, base._extend_graph, base._do_run
+    init, extend, do_run, make_callable = (base.__init__, base._extend_graph, base._do_run,
+                                           base._make_callable_from_options)
 
     @functools.wraps(init)
     def __init__(self: Any, target: Any = "", graph: Any = None, config: Any = None) -> None:
@@ -426,7 +430,19 @@ def _patch(module: Any) -> None:
                                                  "check cannot add its fetches")
         return do_run(self, handle, target_list, fetch_list, feed_dict, options, run_metadata)
 
+    @functools.wraps(make_callable)
+    def _make_callable_from_options(self: Any, callable_options: Any) -> Any:
+        shadow = _current(self)
+        first = shadow.first_step if shadow is not None else None
+        if first is not None:
+            names = [name.split(":")[0] for name in (*callable_options.fetch, *callable_options.target)]
+            if first.trains_with(names) and _claim(shadow, first):
+                _not_verified(shadow, first, "its training step runs through a callable (make_callable, Keras' fit), "
+                                             "to which the check cannot add its fetches")
+        return make_callable(self, callable_options)
+
     base.__init__, base._extend_graph, base._do_run = __init__, _extend_graph, _do_run
+    base._make_callable_from_options = _make_callable_from_options
     base._bnrewrite_patched = True
 
 

@@ -186,3 +186,25 @@ def test_the_keras_example_trains_like_one_device(tmp_path):
     synced, apart = error(_checkpoint(str(tmp_path / "run" / "weights"))), error(_checkpoint(str(tmp_path / "towers" / "weights")))
     print(f"keras example: {synced:.1e} from one device, towers as built {apart:.2f}")
     assert synced < 3e-5 and apart > 0.1
+
+
+def test_verify_says_a_fit_step_through_a_callable_is_not_checked(capsys):
+    """Keras' fit trains through a callable, to which --verify cannot add its fetches: it says so."""
+    import bnrewrite
+
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import keras_towers
+
+    bnrewrite.enable(verify=True)
+    try:
+        with tf.Graph().as_default():  # graph mode, as the script's tf1.disable_eager_execution() gives it
+            keras_towers._fit("mirrored_fit", 2, 4, *keras_towers._data("mirrored_fit", 24, 0.0))
+    finally:
+        bnrewrite.disable()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bnrewrite:")]
+    assert any("nothing verified: its training step runs through a callable (make_callable, Keras' fit)" in line
+               for line in lines), lines
+    from bnrewrite import live
+
+    synced = [r for r in live.records() if r["outcome"] == "synchronized"]
+    assert synced and synced[-1]["verify"]["passed"] is None
