@@ -136,7 +136,9 @@ def _regrow(script_graph: Any, shadow: Shadow) -> None:
         return
     with _state.lock:
         decision = _decide(script_graph, shadow.config, shadow.options, again=True, previous=shadow)
-        if decision.shadow is not None and decision.shadow is not shadow:
+        if decision.shadow is None or decision.shadow is shadow:  # as before: not again for the same census
+            shadow.sites = found
+        else:
             shadow.replaced_by = decision.shadow
             _state.decisions[script_graph] = decision
 
