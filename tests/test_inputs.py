@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -475,6 +476,7 @@ def _interrupted_at(message, n: int, how: str) -> tuple[int, bool]:
                 os.kill(os.getpid(), signal.SIGINT)
         return None
 
+    gc.disable()  # no collection in the run: it could close an earlier run's generators, as calls counted here
     sys.settrace(tracer)
     try:
         rewrite_graph(message, in_place=True)
@@ -482,6 +484,7 @@ def _interrupted_at(message, n: int, how: str) -> tuple[int, bool]:
         return calls[0], True
     finally:
         sys.settrace(None)
+        gc.enable()
     return calls[0], False
 
 
