@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from bnrewrite.collectives import Collective, choose_backend
 from bnrewrite.errors import (
+    BackendError,
     BnRewriteError,
     IndependentModelsError,
     NoTowersError,
@@ -19,7 +20,7 @@ from bnrewrite.errors import (
     UnsyncedLayerError,
 )
 from bnrewrite.functions import in_body
-from bnrewrite.graph import Graph
+from bnrewrite.graph import Device, Graph
 from bnrewrite.match.replicas import trained_apart
 from bnrewrite.match.sites import Census, Site, Skip
 from bnrewrite.match.towers import LayerGroup, Towers, group_towers
@@ -99,10 +100,34 @@ def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
     if apart:  # on one device nothing but names made them towers: separate models, run as they are
         raise (NotReplicasError if options.tower_by == "auto" and towers.by == "scope" else IndependentModelsError)(apart)
     devices = [site.device for site in towers.groups[0].sites]
+    if options.num_workers > 1:
+        _refuse_other_processes(graph, devices, options.task_index)
     inside = next((name for group in towers.groups for site in group.sites for name in (site.name, *site.grads)
                    if in_body(name)), "")
     backend = choose_backend(options.backend, devices, options.num_workers, inside, options.available_gpus)
     return Plan(towers, backend, sync_groups, options)
+
+
+def _refuse_other_processes(graph: Graph, devices: list[Device], task_index: int) -> None:
+    """Across workers the all-reduces are TF collectives, and a session run holding them takes its
+    step id from the collective group's shared sequence: every worker's step t has one id. A node
+    of this worker's graph on a process that is no tower's own (a parameter server holding the
+    variables) runs each worker's part of step t under that one id, and the first worker to finish
+    cleans the id's rendezvous there while the other's part still runs ("Cleanup <step id>"): the
+    cluster dies mid-training. Distinct collective graph keys per worker give distinct step ids,
+    with which the collectives never meet. So such a graph is refused before its first step."""
+    own = {(d.job, d.task) for d in devices}
+    for name in graph.names():
+        device = graph.device(name)
+        if device.job and (device.job, device.task) not in own:
+            raise BackendError(
+                f"worker {task_index}'s graph places {name} on {device}, a process that runs no tower of this worker "
+                "(a parameter server): across workers bnrewrite all-reduces with TF collectives, whose session runs "
+                "share one step id on every worker, so the workers' steps would meet on that process under one id "
+                "and the first to finish would abort the other's (TensorFlow's 'Cleanup <step id>'); a "
+                "parameter-server cluster cannot be synchronized across workers: keep each worker's variables on "
+                "its own devices (MultiWorkerMirroredStrategy's layout, the TF benchmarks' "
+                "--variable_update=collective_all_reduce), or synchronize within each worker only (--workers 1)")
 
 
 def plan_without_shared_body_updates(graph: Graph, census: Census, options: Options) -> Plan:
