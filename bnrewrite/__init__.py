@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 _LAZY = {
-    "rewrite_graph": "api", "RewriteResult": "api", "check": "selfcheck",
+    "rewrite_graph": "entry", "RewriteResult": "api", "check": "selfcheck",
     "enable": "live", "disable": "live", "enabled": "live",
 }
 

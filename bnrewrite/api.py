@@ -23,7 +23,8 @@ from bnrewrite.errors import (
     NoBatchNormError,
     UnsyncedLayerError,
 )
-from bnrewrite.graph import Graph, copy_fields, tensor_name
+from bnrewrite.graph import Graph, copy_fields
+from bnrewrite.names import tensor_name
 from bnrewrite.match.live_work import not_run
 from bnrewrite.match.sites import Census, Site, normalization, scan
 from bnrewrite.nodes import MARK
@@ -180,14 +181,6 @@ def rewrite_graph(
         backend=backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds,
         num_workers=num_workers, task_index=task_index, available_gpus=available_gpus,
     )
-    if in_place and _is_tf_graph(graph):
-        from bnrewrite import live
-
-        gpus = live.visible_gpus() if available_gpus is None else available_gpus
-        return live.attach(graph, lambda graph_def: rewrite_graph(
-            graph_def, backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds,
-            num_workers=num_workers, task_index=task_index, if_rewritten=if_rewritten, in_place=True,
-            available_gpus=gpus, allow_unsynced=allow_unsynced))
     graph_def, meta, storage = _as_protos(graph, in_place)
     undo = _Undo(graph_def if storage is graph_def and in_place else None, len(graph_def.node))
     try:
@@ -312,14 +305,14 @@ def _as_protos(
         return graph.graph_def, meta, meta.graph_def
     if isinstance(graph, graph_pb2.GraphDef):
         return graph, None, graph if in_place else graph_pb2.GraphDef()
-    if _is_tf_graph(graph):
+    if is_tf_graph(graph):
         meta = _export(graph)
         graph_def = meta.graph_def
         return graph_def, meta, graph_def
     raise BnRewriteError(f"rewrite_graph takes a tf.Graph, GraphDef or MetaGraphDef, not {type(graph).__name__}")
 
 
-def _is_tf_graph(graph: Any) -> bool:
+def is_tf_graph(graph: Any) -> bool:
     return hasattr(graph, "as_graph_def") and hasattr(graph, "get_all_collection_keys")
 
 

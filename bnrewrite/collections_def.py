@@ -15,7 +15,7 @@ from typing import Any
 
 from tensorflow.core.protobuf import control_flow_pb2, meta_graph_pb2
 
-from bnrewrite.graph import parse_input
+from bnrewrite.names import parse_input
 
 #: The collections whose items are serialized control-flow contexts, and their proto types.
 CONTEXT_COLLECTIONS = {"cond_context": control_flow_pb2.CondContextDef,

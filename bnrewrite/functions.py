@@ -21,7 +21,8 @@ from tensorflow.core.framework import function_pb2, node_def_pb2
 from tensorflow.python.framework import op_def_registry
 
 from bnrewrite.errors import PassError
-from bnrewrite.graph import Graph, parse_input, tensor_name
+from bnrewrite.graph import Graph
+from bnrewrite.names import parse_input, tensor_name
 from bnrewrite.match.sites import FUSED_GRAD, Census, Skip
 from bnrewrite.nodes import BODY_MARK, MARK
 from bnrewrite.ops import IF_OPS

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
 from tensorflow.core.framework import graph_pb2, node_def_pb2
 
 from bnrewrite.errors import GraphValidationError, InputFormatError
+from bnrewrite.names import parse_input
 
 if TYPE_CHECKING:
     from bnrewrite.shapes import Shape, ShapeInference
@@ -49,21 +50,6 @@ class Edge(NamedTuple):
     consumer: str
     slot: int
     output: int
-
-
-def parse_input(spec: str) -> tuple[str, int]:
-    """'a:1' -> ('a', 1); 'a' -> ('a', 0); '^a' -> ('a', -1)."""
-    if spec.startswith("^"):
-        return spec[1:], -1
-    name, sep, index = spec.rpartition(":")
-    if sep and index.isdigit():
-        return name, int(index)
-    return spec, 0
-
-
-def tensor_name(node: str, output: int = 0) -> str:
-    """The input string that reads `output` of `node`."""
-    return node if output == 0 else f"{node}:{output}"
 
 
 _DEVICE_RE = re.compile(r"(?:/?device:)?(?P<type>[A-Za-z_]+):(?P<index>\d+|\*)$")

@@ -264,6 +264,15 @@ def attach(graph: Any, rewrite: Callable[[Any], Any]) -> Any:
         return result
 
 
+def rewrite_in_place(graph: Any, backend: str = "auto", *, available_gpus: int | None = None, **options: Any) -> Any:
+    """`rewrite_graph(graph, in_place=True)` for a tf.Graph: its rewrite (the API's, with these
+    arguments) becomes what every session created on it from now on runs (attach)."""
+    from bnrewrite.api import rewrite_graph
+
+    gpus = visible_gpus() if available_gpus is None else available_gpus
+    return attach(graph, lambda graph_def: rewrite_graph(graph_def, backend, available_gpus=gpus, **options))
+
+
 def _open_sessions(graph: Any) -> list[Any]:
     from tensorflow.python.client.session import BaseSession
 

@@ -23,7 +23,7 @@ import numpy as np
 from tensorflow.core.framework import attr_value_pb2, node_def_pb2, tensor_shape_pb2
 from tensorflow.python.framework import tensor_util
 
-from bnrewrite.graph import parse_input
+from bnrewrite.names import parse_input
 
 NodeDef = node_def_pb2.NodeDef
 Shape = tuple[int, ...] | None

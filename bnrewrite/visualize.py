@@ -63,7 +63,7 @@ def _upstream_layers(nodes: dict[str, Any], removed: list[str], marked: dict[str
     moving-average update read), shared by removed nodes joined by edges (an update and what
     only fed it). A removed node's name alone does not tell it for hand-written updates
     (`tower_1/AssignMovingAvg`)."""
-    from bnrewrite.graph import parse_input
+    from bnrewrite.names import parse_input
 
     gone = {name for name in removed if MARK not in nodes[name].attr}
     if not gone or not marked:
@@ -331,7 +331,7 @@ def _shared_scope(a: str, b: str) -> int:
 
 def _cluster(tag: str, title: str, nodes: dict[str, Any], core: list[str], removed: dict[str, str], status: Any,
              removed_from: dict[str, Any] | None = None) -> list[str]:
-    from bnrewrite.graph import parse_input
+    from bnrewrite.names import parse_input
 
     core_set = dict.fromkeys(n for n in core if n in nodes)
     consumers: dict[str, list[tuple[str, bool]]] = defaultdict(list)

@@ -11,7 +11,8 @@ import tensorflow as tf
 import bnrewrite
 from bnrewrite import rewrite_graph
 from bnrewrite.errors import PassError
-from bnrewrite.graph import Graph, parse_input
+from bnrewrite.graph import Graph
+from bnrewrite.names import parse_input
 from bnrewrite.nodes import MARK
 from bnrewrite.passes import run_passes
 from bnrewrite.plan import KEYS_PER_LAYER

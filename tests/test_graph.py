@@ -11,7 +11,8 @@ import pytest
 import tensorflow as tf
 
 from bnrewrite.errors import GraphValidationError, PassError
-from bnrewrite.graph import Graph, _consumer_index, parse_input
+from bnrewrite.graph import Graph, _consumer_index
+from bnrewrite.names import parse_input
 from bnrewrite.passes import run_passes
 from bnrewrite.passes.record import PassRecord
 from ticks import run_ticked

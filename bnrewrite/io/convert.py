@@ -134,7 +134,7 @@ def _replace_entries(model: Model, new: list[Entry]) -> Model:
 
 def meta_references(meta: Any) -> list[tuple[str, str]]:
     """(what, node name) for every node that the MetaGraph's signatures and saver name."""
-    from bnrewrite.graph import parse_input
+    from bnrewrite.names import parse_input
 
     refs: list[tuple[str, str]] = []
     for sig_name, sig in meta.signature_def.items():

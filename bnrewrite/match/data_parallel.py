@@ -24,7 +24,8 @@ Both checks are walks over the nodes the sites reach: linear in the graph.
 
 from __future__ import annotations
 
-from bnrewrite.graph import Graph, parse_input
+from bnrewrite.graph import Graph
+from bnrewrite.names import parse_input
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import outer_node
 

@@ -16,7 +16,8 @@ Invariant: a site with a gradient of its own is always live. Two walks over the 
 
 from __future__ import annotations
 
-from bnrewrite.graph import Graph, parse_input
+from bnrewrite.graph import Graph
+from bnrewrite.names import parse_input
 from bnrewrite.match.sites import Site, Skip
 from bnrewrite.nodes import outer_node
 

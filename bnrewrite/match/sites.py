@@ -9,7 +9,8 @@ import numpy as np
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import tensor_util
 
-from bnrewrite.graph import Device, Graph, tensor_name
+from bnrewrite.graph import Device, Graph
+from bnrewrite.names import tensor_name
 from bnrewrite.nodes import MARK
 from bnrewrite.opcheck import check_attrs, check_batch_norm_shapes
 

@@ -20,7 +20,8 @@ from collections import defaultdict
 
 from tensorflow.python.framework import op_def_registry
 
-from bnrewrite.graph import Editor, Graph, parse_input, tensor_name
+from bnrewrite.graph import Editor, Graph
+from bnrewrite.names import parse_input, tensor_name
 from bnrewrite.match.updates import ASSIGN_OPS
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.plan import Plan

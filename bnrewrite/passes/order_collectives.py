@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from bnrewrite.collectives import COLLECTIVE_OPS, INSTANCE_ATTR
-from bnrewrite.graph import Graph, parse_input
+from bnrewrite.graph import Graph
+from bnrewrite.names import parse_input
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.plan import Plan
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from bnrewrite.functions import in_body
-from bnrewrite.graph import Editor, Graph, tensor_name
+from bnrewrite.graph import Editor, Graph
+from bnrewrite.names import tensor_name
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_FLOAT, DT_HALF, Builder, Shared
 from bnrewrite.passes.record import PassRecord

@@ -24,7 +24,8 @@ import numpy as np
 
 from bnrewrite.collectives import all_reduce
 from bnrewrite.functions import through_identity
-from bnrewrite.graph import Graph, parse_input
+from bnrewrite.graph import Graph
+from bnrewrite.names import parse_input
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_FLOAT, Builder, DType, identity_n
 from bnrewrite.passes.record import PassRecord

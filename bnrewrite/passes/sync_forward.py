@@ -22,7 +22,8 @@ import numpy as np
 from tensorflow.core.framework.node_def_pb2 import NodeDef
 
 from bnrewrite.functions import in_body
-from bnrewrite.graph import Graph, tensor_name
+from bnrewrite.graph import Graph
+from bnrewrite.names import tensor_name
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_DOUBLE, DT_FLOAT, MARK, Builder, DType, identity_n, set_attr
 from bnrewrite.passes.record import PassRecord
