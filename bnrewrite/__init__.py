@@ -54,7 +54,7 @@ __all__ = [
 
 _LAZY = {
     "rewrite_graph": "entry", "RewriteResult": "api", "check": "selfcheck",
-    "enable": "live", "disable": "live", "enabled": "live",
+    "enable": "sessions", "disable": "sessions", "enabled": "sessions",
 }
 
 

@@ -57,7 +57,7 @@ def follow(options: dict[str, Any]) -> None:
 def start(options: dict[str, Any]) -> None:
     """In a spawned child, before its target runs: its sessions as the parent's (and its own
     spawned children followed too)."""
-    from bnrewrite import live
+    from bnrewrite import sessions
 
-    live.enable(**options)
+    sessions.enable(**options)
     follow(options)

@@ -2,7 +2,7 @@
 
 `rewrite_graph(g, in_place=True)` on a tf.Graph is a promise about sessions (every session
 created on `g` afterwards runs the rewritten graph), so it goes to the session layer
-(`bnrewrite.live`); everything else is a rewrite of protobufs (`bnrewrite.api`), which knows
+(`bnrewrite.sessions`); everything else is a rewrite of protobufs (`bnrewrite.api`), which knows
 nothing of sessions. The arguments and the docstring are the API's.
 """
 
@@ -11,11 +11,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from bnrewrite import api, live
+from bnrewrite import api, sessions
 
 
 @functools.wraps(api.rewrite_graph)
 def rewrite_graph(graph: Any, *args: Any, **kwargs: Any) -> api.RewriteResult:
     if kwargs.get("in_place") and api.is_tf_graph(graph):
-        return live.rewrite_in_place(graph, *args, **kwargs)
+        return sessions.rewrite_in_place(graph, *args, **kwargs)
     return api.rewrite_graph(graph, *args, **kwargs)

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from bnrewrite import children, live
+from bnrewrite import children, live, sessions
 from bnrewrite.cli.output import INTERRUPTED, USAGE, print_error, print_note
 from bnrewrite.errors import BnRewriteError, OutputError
 
@@ -98,7 +98,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                    timeout_seconds=args.timeout, num_workers=args.workers, task_index=args.task_index or 0,
                    allow_unsynced=args.allow_unsynced, quiet=args.quiet, verbose=args.verbose, verify=args.verify,
                    exit_on_refusal=True)
-    live.enable(**options)
+    sessions.enable(**options)
     children.follow(options)  # multiprocessing 'spawn' children run with the same options
     write = (lambda: _write_report(report, args.force)) if report else None
     with _report_on_signals(write):
