@@ -23,7 +23,8 @@ from bnrewrite.errors import (
     NoBatchNormError,
     UnsyncedLayerError,
 )
-from bnrewrite.graph import Graph, copy_fields
+from bnrewrite.graph import Graph
+from bnrewrite.graph_assembly import copy_fields
 from bnrewrite.names import tensor_name
 from bnrewrite.match.live_work import not_run
 from bnrewrite.match.sites import Census, Site, normalization, scan

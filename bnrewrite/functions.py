@@ -22,6 +22,7 @@ from tensorflow.python.framework import op_def_registry
 
 from bnrewrite.errors import PassError
 from bnrewrite.graph import Graph
+from bnrewrite.graph_edit import Editor
 from bnrewrite.names import parse_input, tensor_name
 from bnrewrite.match.sites import FUSED_GRAD, Census, Skip
 from bnrewrite.nodes import BODY_MARK, MARK
@@ -157,7 +158,7 @@ def flatten(graph: Graph) -> tuple[Graph, Bodies | None]:
                 bodies.append(gb)
     if not bodies:
         return graph, Bodies([], {}, skipped)
-    editor = graph.edit()
+    editor = Editor(graph)
     for body in bodies:
         for node in [*body.pseudo.values(), *body.created.values()]:
             editor.add(node)
@@ -268,7 +269,7 @@ def restore(graph: Graph, bodies: Bodies) -> Graph:
     for b in bodies.bodies:
         pseudo.update(b.pseudo)
     members: dict[str, list[node_def_pb2.NodeDef]] = {b.prefix: [] for b in bodies.bodies}
-    editor = graph.edit()
+    editor = Editor(graph)
     top: list[node_def_pb2.NodeDef] = []
     for node in graph:
         if node.name in pseudo:

@@ -14,7 +14,7 @@ import numpy as np
 from tensorflow.core.framework import attr_value_pb2, node_def_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
-from bnrewrite.graph import Editor
+from bnrewrite.graph_edit import Editor
 
 DT_FLOAT = types_pb2.DT_FLOAT
 DT_DOUBLE = types_pb2.DT_DOUBLE

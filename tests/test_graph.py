@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from bnrewrite.errors import GraphValidationError, PassError
 from bnrewrite.graph import Graph, _consumer_index
+from bnrewrite.graph_edit import Editor
 from bnrewrite.names import parse_input
 from bnrewrite.passes import run_passes
 from bnrewrite.passes.record import PassRecord
@@ -50,7 +51,7 @@ def _assert_numbering_orders_edges(graph: Graph) -> None:
 
 def _run(graph: Graph, edit) -> Graph:
     def broken_or_not(g: Graph, plan: object) -> tuple[Graph, PassRecord]:
-        editor = g.edit()
+        editor = Editor(g)
         edit(editor)
         return editor.finish(), PassRecord("test_pass")
 

@@ -14,6 +14,7 @@ import pytest
 from bnrewrite import api, rewrite_graph
 from bnrewrite.errors import PassError
 from bnrewrite.graph import Graph
+from bnrewrite.graph_edit import Editor
 from bnrewrite.passes import PIPELINE, dedupe_moving_averages, run_passes
 from models import Spec, build_towers
 
@@ -39,7 +40,7 @@ def _break(monkeypatch, edit: Callable[[Graph], Graph], passes=PIPELINE) -> None
 
 def _edited(graph: Graph, change: Callable) -> Graph:
     """`graph` with `change(editor)` applied, as a pass would."""
-    editor = graph.edit()
+    editor = Editor(graph)
     change(editor)
     return editor.finish()
 

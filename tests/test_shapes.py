@@ -10,6 +10,7 @@ from tensorflow.core.framework.node_def_pb2 import NodeDef
 
 from bnrewrite import rewrite_graph
 from bnrewrite.graph import Graph
+from bnrewrite.graph_edit import Editor
 from bnrewrite.passes.sites import DEVIATIONS_ATTR
 from bnrewrite.shapes import ShapeInference
 from models import Spec, assert_synced, build_reference, build_towers, kernel_gradients, kernel_moments, make_batches, train
@@ -206,7 +207,7 @@ def test_edited_node_is_not_inferred_from_the_graph_as_read():
     with graph.as_default():
         y = tf.nn.relu(_ph((2, 3)), name="y")
     model = Graph.from_graph_def(graph.as_graph_def())
-    editor = model.edit()
+    editor = Editor(model)
     editor.mutable(y.op.name).op = "Relu6"
     edited = editor.finish()
     assert model.static_elements("y") == 6 and edited.static_elements("y") is None and edited.static_elements("x") == 6

@@ -26,6 +26,7 @@ from test_cli import bnrewrite as run_cli
 
 from bnrewrite import api, rewrite_graph, statistics, stepcheck
 from bnrewrite.errors import PassError
+from bnrewrite.graph_edit import Editor
 from bnrewrite.nodes import MARK
 from bnrewrite.passes import PIPELINE, dedupe_moving_averages, run_passes
 
@@ -184,7 +185,7 @@ def test_a_tower_whose_all_reduce_is_bypassed_fails_named(monkeypatch):
 
 def test_a_wrong_epsilon_fails_named(monkeypatch):
     def epsilon_times_100(graph):
-        editor = graph.edit()
+        editor = Editor(graph)
         for node in graph:
             if MARK in node.attr and node.op == "Const" and node.name.endswith("/epsilon"):
                 tensor = editor.mutable(node.name).attr["value"].tensor

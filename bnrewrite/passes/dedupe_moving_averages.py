@@ -20,7 +20,8 @@ from collections import defaultdict
 
 from tensorflow.python.framework import op_def_registry
 
-from bnrewrite.graph import Editor, Graph
+from bnrewrite.graph import Graph
+from bnrewrite.graph_edit import Editor
 from bnrewrite.names import parse_input, tensor_name
 from bnrewrite.match.updates import ASSIGN_OPS
 from bnrewrite.passes.record import PassRecord
@@ -49,7 +50,7 @@ def dedupe_moving_averages(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]
             keeper[extra] = nodes[0]
     if not doomed:
         return graph, record
-    editor = graph.edit()
+    editor = Editor(graph)
     removed = _with_exclusive_ancestors(graph, doomed)
     _rewire_consumers(graph, editor, removed, keeper)
     for name, why in removed.items():

@@ -19,6 +19,7 @@ from collections import defaultdict
 
 from bnrewrite.collectives import COLLECTIVE_OPS, INSTANCE_ATTR
 from bnrewrite.graph import Graph
+from bnrewrite.graph_edit import Editor
 from bnrewrite.names import parse_input
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.plan import Plan
@@ -42,7 +43,7 @@ def order_collectives(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
         first_device = node.device if first_device is None else first_device
         if node.device == first_device:
             rank[instance[name]] = len(rank)
-    editor = graph.edit()
+    editor = Editor(graph)
     for names in chains.values():
         names.sort(key=lambda n: rank.get(instance[n], len(rank)))
         for prev, cur in zip(names, names[1:]):

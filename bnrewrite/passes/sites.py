@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from bnrewrite.functions import in_body
-from bnrewrite.graph import Editor, Graph
+from bnrewrite.graph import Graph
+from bnrewrite.graph_edit import Editor
 from bnrewrite.names import tensor_name
 from bnrewrite.match.sites import Site
 from bnrewrite.nodes import DT_FLOAT, DT_HALF, Builder, Shared
@@ -36,7 +37,7 @@ class SiteContext:
 def each_site(graph: Graph, plan: Plan, name: str, kind: str, rewrite: Callable[[Site, SiteContext], None]) -> tuple[Graph, PassRecord]:
     """Run `rewrite` on every synced site of `kind`; returns the new graph and the record."""
     record = PassRecord(name)
-    editor = graph.edit()
+    editor = Editor(graph)
     shared = Shared()
     for layer, group in enumerate(plan.groups):
         if group.sites[0].kind != kind:
