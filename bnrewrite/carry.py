@@ -32,7 +32,7 @@ _UNCARRIED = ("Queue", "Iterator", "Table", "Reader", "Stack", "Barrier", "Accum
 _STARTERS = frozenset({"MakeIterator", "MultiDeviceIteratorInit", "InitializeTable", "InitializeTableV2",
                        "InitializeTableFromTextFile", "InitializeTableFromTextFileV2"})
 _VARIABLES = frozenset({"VarHandleOp", "VariableV2", "Variable"})
-_WRITES = ("Assign", "Apply", "Scatter")  # in the types of ops that write variables
+_WRITES = ("Assign", "Apply", "Scatter")  # in the type of every op that writes a variable
 _serial = itertools.count()
 
 
@@ -50,7 +50,7 @@ def restarts(graph: Any, seen: list[Any], runs: list[tuple[list[str], bool]]) ->
         if not users:
             continue
         other = next((op for op in users if op.type not in _STARTERS and not op.type.endswith("ToStringHandle")), None)
-        writer = next((op for op in reached if op.type.startswith(_WRITES) or "Apply" in op.type), None)
+        writer = next((op for op in reached if any(kind in op.type for kind in _WRITES)), None)
         if other is not None or writer is not None or fed:
             user = other or users[0]
             maker = next(t.op for t in user.inputs if t.op.name in held)

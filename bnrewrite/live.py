@@ -39,12 +39,11 @@ from bnrewrite.errors import (
 SESSION_MODULE = "tensorflow.python.client.session"
 #: What makes a graph run unchanged rather than refused: there is nothing to synchronize.
 NOTHING_TO_SYNC = (NoBatchNormError, InferenceOnlyError, AlreadyRewrittenError, NoTowersError)
-#: Op types that can make (or hold, in their functions) a training batch-norm layer: a graph that
-#: gains one after it was decided is looked at again.
-MAY_HOLD_BATCH_NORM = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "Mean", "If", "StatelessIf"})
-#: ... or its gradients (Keras' fit adds them to a graph whose session compile made and ran).
-MAY_TRAIN_BATCH_NORM = MAY_HOLD_BATCH_NORM | {"FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3",
-                                              "Reshape"}
+#: Op types that can make (or hold, in their functions) a training batch-norm layer or its gradients
+#: (Reshape: a moments layer's): a graph that gains one after it was decided is looked at again
+#: (Keras' fit adds the gradients to a graph whose session compile made and ran).
+MAY_TRAIN_BATCH_NORM = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "Mean", "If", "StatelessIf",
+                                  "FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3", "Reshape"})
 
 
 @dataclass(frozen=True)
@@ -121,13 +120,15 @@ def _regrow(script_graph: Any, shadow: Shadow) -> None:
     from bnrewrite.api import take_census
     from bnrewrite.graph import Graph
 
-    _, _, census = take_census(Graph.from_graph_def(script_graph.as_graph_def()))
+    version, graph_def = script_graph.version, script_graph.as_graph_def()  # read, never written, by the census
+    _, _, census = take_census(Graph.from_graph_def(graph_def))
     found = {s.name: len(s.grads) for s in census.sites}
     found.update((s.node, -1) for s in (*census.skips, *census.not_run))
     if found == shadow.sites:
         return
     with state.lock:
-        decision = decide(script_graph, shadow.config, shadow.options, again=True, previous=shadow)
+        decision = decide(script_graph, shadow.config, shadow.options, again=True, previous=shadow,
+                          exported=(version, graph_def))
         if decision.shadow is None or decision.shadow is shadow:  # as before: not again for the same census
             shadow.sites = found
         else:
@@ -281,15 +282,15 @@ def shadow_for(graph: Any, config: Any) -> Shadow | None:
 
 
 def decide(graph: Any, config: Any, options: LiveOptions, again: bool = False,
-            previous: Shadow | None = None) -> Decision:
+            previous: Shadow | None = None, exported: tuple[int, Any] | None = None) -> Decision:
     """Rewrite `graph` for its session; `again`: looked at again after it grew, so a graph that
     still has nothing to synchronize gets no second record or line; `previous`: the shadow it
-    had, kept (no record or line) when the rewrite synchronizes the same layers."""
+    had, kept (no record or line) when the rewrite synchronizes the same layers; `exported`:
+    (version, GraphDef) of the graph, already exported by the caller (rewritten here in place)."""
     from bnrewrite.api import rewrite_graph
 
     number = len(state.records) + 1
-    version = graph.version
-    graph_def = graph.as_graph_def()
+    version, graph_def = exported or (graph.version, graph.as_graph_def())
     count = len(graph_def.node)
     try:
         result = rewrite_graph(graph_def, in_place=True, if_rewritten="keep", available_gpus=_gpus(config),

@@ -83,14 +83,12 @@ def _initial(model: keras.Model) -> None:
         name, shape = weight.name.split(":")[0], weight.shape.as_list()
         rng = np.random.default_rng(zlib.crc32(name.encode()))
         role = name.rsplit("/", 1)[-1]
-        if role == "moving_variance" or role == "moving_stddev":
+        if role in ("moving_variance", "moving_stddev", "renorm_stddev"):
             value = rng.uniform(0.5, 1.5, shape)
-        elif role in ("gamma",):
+        elif role == "gamma":
             value = rng.uniform(0.8, 1.2, shape)
         elif role in ("beta", "bias", "moving_mean", "renorm_mean"):
             value = rng.normal(0, 0.1, shape)
-        elif role == "renorm_stddev":
-            value = rng.uniform(0.5, 1.5, shape)
         else:
             fan_in = int(np.prod(shape[:-1])) or 1
             value = rng.normal(0, (2.0 / fan_in) ** 0.5, shape)
