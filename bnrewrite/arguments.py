@@ -12,7 +12,7 @@ from typing import Any
 
 from bnrewrite.errors import BackendError, BnRewriteError
 
-BACKENDS = ("auto", "nccl", "local", "collective")
+BACKENDS = ("auto", "nccl", "local", "collective", "ps")
 TOWER_BY = ("auto", "device", "scope")
 
 

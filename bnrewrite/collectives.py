@@ -1,5 +1,6 @@
 """The all-reduces bnrewrite inserts: NCCL on GPU towers, a local sum on other towers of one
-process, TF collectives across workers (and wherever asked for).
+process, TF collectives across workers (and wherever asked for), FIFO queues on a parameter
+server across the workers of a ps cluster.
 
 Every all-reduce belongs to a sync group (a set of towers; its `group_key`) and has an
 `instance_key` shared by all its members and unique within the graph, so NCCL's
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tensorflow.core.framework.attr_value_pb2 import AttrValue
+
 from bnrewrite.arguments import BACKENDS
 from bnrewrite.errors import BackendError
 from bnrewrite.graph import Device
@@ -26,6 +29,8 @@ from bnrewrite.nodes import Builder, DType
 COLLECTIVE_OPS = frozenset({"NcclAllReduce", "CollectiveReduceV2"})
 #: Attribute on each inserted all-reduce: its instance key, for ordering.
 INSTANCE_ATTR = "_bnrewrite_instance"
+#: Attribute on each member of a "ps" all-reduce (its sum): the queues' common name, for checks.
+QUEUES_ATTR = "_bnrewrite_queues"
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,8 @@ class Collective:
     instance_key: int
     timeout_seconds: float = 0.0
     hint: str = "auto"
+    member: int = 0  # this tower's place in the group over all workers ("ps")
+    queue_device: str = ""  # the parameter server holding the group's queues ("ps")
 
     @property
     def shared_name(self) -> str:
@@ -46,10 +53,13 @@ class Collective:
 
 def choose_backend(
     backend: str, devices: list[Device], num_workers: int = 1, in_functions: str = "", available_gpus: int | None = None,
+    servers: tuple[Device, ...] = (),
 ) -> str:
     """'auto' picks NCCL when every tower is a GPU of its own (and one worker), else the local
     sum when the towers are in one process and no synced op is inside a function
-    (`in_functions` names one that is), else the collective runtime; checks the devices allow it.
+    (`in_functions` names one that is), queues on a parameter server when several workers' graphs
+    place nodes on `servers` (processes that run no tower), else the collective runtime; checks
+    the devices allow it.
     `available_gpus` (when known: a live session's) keeps auto off NCCL when a tower's GPU is not
     there, where soft placement runs the towers on the CPU.
 
@@ -65,7 +75,16 @@ def choose_backend(
     distinct = len(set(devices)) == len(devices)
     if backend == "auto":
         backend = ("nccl" if on_gpu and present and distinct and num_workers == 1
-                   else "local" if num_workers == 1 and not in_functions else "collective")
+                   else "local" if num_workers == 1 and not in_functions
+                   else "ps" if num_workers > 1 and servers else "collective")
+    if backend == "ps":
+        return _check_ps(num_workers, in_functions, servers)
+    if backend == "collective" and num_workers > 1 and servers:
+        raise BackendError(
+            f"the graph places nodes on {servers[0]}, a process that runs no tower (a parameter server): collectives "
+            "across workers share one step id on every worker, so the workers' steps would meet on that process under "
+            "one id and the first to finish would abort the other's (TensorFlow's 'Cleanup <step id>'); "
+            'use backend="ps" (or "auto"), which all-reduces through queues on the parameter server')
     if backend == "local" and num_workers > 1:
         raise BackendError('backend local sums inside one process; with several workers use backend="collective"')
     if backend == "local" and in_functions:
@@ -84,10 +103,27 @@ def choose_backend(
     return backend
 
 
+def _check_ps(num_workers: int, in_functions: str, servers: tuple[Device, ...]) -> str:
+    if num_workers == 1:
+        raise BackendError('backend ps all-reduces across the workers of a parameter-server cluster; with one worker '
+                           'use backend="local" (or "auto")')
+    if not servers:
+        raise BackendError("backend ps needs a parameter server in the graph, but every node is on this worker's "
+                           'own devices: use backend="collective" (or "auto")')
+    if in_functions:
+        raise BackendError(
+            f"backend ps cannot reach {in_functions}, which is inside a function (a control flow v2 branch): build "
+            "the graph with tf.compat.v1.disable_control_flow_v2(), or keep the variables on the workers and use "
+            'backend="collective"')
+    return "ps"
+
+
 def all_reduce(builder: Builder, name: str, tensor: str, dtype: int, key: Collective) -> str:
     """Sum `tensor` over the sync group; returns the reduced tensor."""
     if key.backend == "local":
         return _local_sum(builder, name, tensor, dtype, key)
+    if key.backend == "ps":
+        return _through_queues(builder, name, tensor, dtype, key)
     if key.backend == "nccl":
         return builder.node(
             "NcclAllReduce", name, [tensor], T=DType(dtype), reduction="sum",
@@ -114,3 +150,27 @@ def _local_sum(builder: Builder, name: str, tensor: str, dtype: int, key: Collec
         node.input.append(tensor)
         node.attr["N"].i = len(node.input)
     return builder.node("Identity", name, [total], T=DType(dtype), **{INSTANCE_ATTR: key.instance_key})
+
+
+def _through_queues(builder: Builder, name: str, tensor: str, dtype: int, key: Collective) -> str:
+    """Send `tensor` to every other member through the queue from this member to it, take every
+    other member's value from its queue to this one, and add all of them in member order."""
+    server = builder.on(key.queue_device)
+    sends, values = [], []
+    for other in range(key.group_size):
+        if other == key.member:
+            values.append(tensor)
+            continue
+        outbox = _queue(server, f"{name}/to_{other}", f"{key.shared_name}_{key.member}to{other}", dtype)
+        sends.append("^" + server.node("QueueEnqueueV2", f"{name}/send_{other}", [outbox, tensor],
+                                       Tcomponents=[DType(dtype)], timeout_ms=-1))
+        inbox = _queue(server, f"{name}/from_{other}", f"{key.shared_name}_{other}to{key.member}", dtype)
+        values.append(server.node("QueueDequeueV2", f"{name}/take_{other}", [inbox],
+                                  component_types=[DType(dtype)], timeout_ms=-1))
+    return builder.node("AddN", name, values + sends, T=DType(dtype), N=len(values),
+                        **{INSTANCE_ATTR: key.instance_key, QUEUES_ATTR: key.shared_name})
+
+
+def _queue(builder: Builder, name: str, shared_name: str, dtype: int) -> str:
+    return builder.node("FIFOQueueV2", name, [], component_types=[DType(dtype)], capacity=-1, shared_name=shared_name,
+                        shapes=AttrValue(list=AttrValue.ListValue()))

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from bnrewrite.collectives import INSTANCE_ATTR
+from bnrewrite.collectives import INSTANCE_ATTR, QUEUES_ATTR
 from bnrewrite.errors import PassError
 from bnrewrite.functions import in_body
 from bnrewrite.graph import Graph, NodeDef
@@ -133,7 +133,7 @@ def check_meaning(before: Effects, after_graph: Graph, plan: Plan, removed: set[
             gone = was - removed - runs
             if gone:
                 wrong.append(f"{target} no longer runs {', '.join(sorted(gone)[:_SHOWN])}, which update(s) {variable}")
-            elif variable in shared:
+            elif variable in shared and not (plan.options.task_index and plan.shared_across_workers(after_graph, variable)):
                 count = len(runs & shared[variable])
                 if count > 1 or not count and was & shared[variable]:
                     wrong.append(f"{target} runs {count} of the towers' updates of {variable} per step")
@@ -172,12 +172,14 @@ def _check_all_reduces(graph: Graph, steps: list[str], workers: int) -> None:
 
 def _group(graph: Graph, node: NodeDef) -> tuple[str, int]:
     """The all-reduce a member belongs to (NCCL's shared name, the sum a local member reads, a
-    collective's group and instance keys) and how many members it has over all workers."""
+    collective's group and instance keys, a "ps" member's queues) and how many members it has over all workers."""
     if node.op == "NcclAllReduce":
         return node.attr["shared_name"].s.decode(), node.attr["num_devices"].i
     if node.op == "CollectiveReduceV2":
         size, group = (graph.node(graph.producer(node.name, slot)[0]).attr["value"].tensor.int_val[0] for slot in (1, 2))
         return f"collective group {group} instance {node.attr[INSTANCE_ATTR].i}", size
+    if QUEUES_ATTR in node.attr:
+        return node.attr[QUEUES_ATTR].s.decode(), node.attr["N"].i
     total = graph.producer(node.name, 0)[0]
     return total, graph.node(total).attr["N"].i
 

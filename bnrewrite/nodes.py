@@ -110,6 +110,10 @@ class Builder:
         self.shared = shared
         self._mark = layer.encode()
 
+    def on(self, device: str) -> "Builder":
+        """A builder of the same scope and layer that places its nodes on `device`."""
+        return Builder(self.editor, self.scope, device, self.layer, self.shared)
+
     def node(self, op: str, name: str, inputs: Sequence[str], **attrs: object) -> str:
         """Add a node; returns its name (which is also its output-0 tensor)."""
         unique = self.editor.unique_name(f"{self.scope}/{name}")

@@ -11,7 +11,6 @@ from dataclasses import dataclass, replace
 
 from bnrewrite.collectives import Collective, choose_backend
 from bnrewrite.errors import (
-    BackendError,
     BnRewriteError,
     IndependentModelsError,
     NoTowersError,
@@ -51,6 +50,7 @@ class Plan:
     backend: str
     sync_groups: tuple[tuple[str, ...], ...]
     options: Options
+    servers: tuple[Device, ...] = ()  # backend "ps": the parameter servers, which hold the queues
 
     @property
     def groups(self) -> tuple[LayerGroup, ...]:
@@ -59,14 +59,22 @@ class Plan:
     def collective(self, layer: int, phase: int, tower: str) -> Collective:
         """Keys of the all-reduce `phase` (0 forward, j+1 gradient j) of `layer` for `tower`."""
         index = next(i for i, members in enumerate(self.sync_groups) if tower in members)
+        members = self.sync_groups[index]
         return Collective(
             backend=self.backend,
-            group_size=len(self.sync_groups[index]) * self.options.num_workers,
+            group_size=len(members) * self.options.num_workers,
             group_key=self.options.group_key_base + index,
             instance_key=self.options.instance_key_base + layer * KEYS_PER_LAYER + phase,
             timeout_seconds=self.options.timeout_seconds,
             hint="nccl" if self.options.num_workers > 1 and self.on_gpu else "auto",
+            member=self.options.task_index * len(members) + members.index(tower),
+            queue_device=str(self.servers[layer % len(self.servers)]) if self.servers else "",
         )
+
+    def shared_across_workers(self, graph: Graph, variable: str) -> bool:
+        """Whether `variable` lives on a parameter server, where every worker's towers update it."""
+        device = graph.device(variable)
+        return any((device.job, device.task) == (s.job, s.task) for s in self.servers)
 
     @property
     def on_gpu(self) -> bool:
@@ -100,34 +108,20 @@ def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
     if apart:  # on one device nothing but names made them towers: separate models, run as they are
         raise (NotReplicasError if options.tower_by == "auto" and towers.by == "scope" else IndependentModelsError)(apart)
     devices = [site.device for site in towers.groups[0].sites]
-    if options.num_workers > 1:
-        _refuse_other_processes(graph, devices, options.task_index)
+    servers = _servers(graph, devices) if options.num_workers > 1 else ()
     inside = next((name for group in towers.groups for site in group.sites for name in (site.name, *site.grads)
                    if in_body(name)), "")
-    backend = choose_backend(options.backend, devices, options.num_workers, inside, options.available_gpus)
-    return Plan(towers, backend, sync_groups, options)
+    backend = choose_backend(options.backend, devices, options.num_workers, inside, options.available_gpus, servers)
+    return Plan(towers, backend, sync_groups, options, servers if backend == "ps" else ())
 
 
-def _refuse_other_processes(graph: Graph, devices: list[Device], task_index: int) -> None:
-    """Across workers the all-reduces are TF collectives, and a session run holding them takes its
-    step id from the collective group's shared sequence: every worker's step t has one id. A node
-    of this worker's graph on a process that is no tower's own (a parameter server holding the
-    variables) runs each worker's part of step t under that one id, and the first worker to finish
-    cleans the id's rendezvous there while the other's part still runs ("Cleanup <step id>"): the
-    cluster dies mid-training. Distinct collective graph keys per worker give distinct step ids,
-    with which the collectives never meet. So such a graph is refused before its first step."""
+def _servers(graph: Graph, devices: list[Device]) -> tuple[Device, ...]:
+    """The processes (job, replica, task) this worker's graph places nodes on that run none of its
+    towers: a cluster's parameter servers, in order."""
     own = {(d.job, d.task) for d in devices}
-    for name in graph.names():
-        device = graph.device(name)
-        if device.job and (device.job, device.task) not in own:
-            raise BackendError(
-                f"worker {task_index}'s graph places {name} on {device}, a process that runs no tower of this worker "
-                "(a parameter server): across workers bnrewrite all-reduces with TF collectives, whose session runs "
-                "share one step id on every worker, so the workers' steps would meet on that process under one id "
-                "and the first to finish would abort the other's (TensorFlow's 'Cleanup <step id>'); a "
-                "parameter-server cluster cannot be synchronized across workers: keep each worker's variables on "
-                "its own devices (MultiWorkerMirroredStrategy's layout, the TF benchmarks' "
-                "--variable_update=collective_all_reduce), or synchronize within each worker only (--workers 1)")
+    found = {(d.job, max(d.replica, 0), d.task) for d in map(graph.device, graph.names())
+             if d.job and (d.job, d.task) not in own}
+    return tuple(Device(job, replica, task, "CPU", 0) for job, replica, task in sorted(found))
 
 
 def plan_without_shared_body_updates(graph: Graph, census: Census, options: Options) -> Plan:

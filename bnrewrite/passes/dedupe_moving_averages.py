@@ -8,6 +8,10 @@ update of the same variable: a target that ran any tower's update of a variable 
 tower's, the last one's, all of them) runs the kept one, once. Towers that own their own
 copy of a statistic keep their update: each copy gets the global value.
 
+In a parameter-server cluster (backend "ps") every worker's towers update the statistics
+the ps holds, each with the same global value: worker 0 keeps its update, the other workers
+remove theirs; what read such an update's output reads the variable itself.
+
 What a removed update waited for, the kept one now waits for: batch renormalization makes
 each tower's update of renorm_mean and renorm_stddev wait (control edges in the update's
 value chain) for that tower's r and d, which read the old values; the kept update stands
@@ -44,7 +48,15 @@ def dedupe_moving_averages(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]
                     writers[update.variable].append(update.node)
     doomed: dict[str, str] = {}
     keeper: dict[str, str] = {}
+    elsewhere: set[str] = set()  # variables another worker updates
+    worker = plan.options.task_index
     for variable, nodes in writers.items():
+        if worker and plan.shared_across_workers(graph, variable):
+            doomed.update(dict.fromkeys(nodes, f"update of {variable}, which the parameter server holds for every "
+                                               f"worker; worker 0 updates it, worker {worker} does not"))
+            keeper.update(dict.fromkeys(nodes, variable))
+            elsewhere.add(variable)
+            continue
         for extra in nodes[1:]:
             doomed[extra] = f"duplicate update of {variable}; {nodes[0]} is kept"
             keeper[extra] = nodes[0]
@@ -52,11 +64,12 @@ def dedupe_moving_averages(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]
         return graph, record
     editor = Editor(graph)
     removed = _with_exclusive_ancestors(graph, doomed)
-    _rewire_consumers(graph, editor, removed, keeper)
+    _rewire_consumers(graph, editor, removed, keeper, elsewhere)
     for name, why in removed.items():
         editor.remove(name)
         record.removed.append((name, why))
-    record.control_edges = _inherit_waits(graph, editor, keeper, removed)
+    kept = {update: other for update, other in keeper.items() if other not in elsewhere}
+    record.control_edges = _inherit_waits(graph, editor, kept, removed)
     return editor.finish(), record
 
 
@@ -91,11 +104,14 @@ def _chain_waits(graph: Graph, update: str, removed: dict[str, str]) -> set[str]
     return {spec for node in chain for spec in graph.node(node).input if spec.startswith("^") and spec[1:] not in removed}
 
 
-def _rewire_consumers(graph: Graph, editor: Editor, removed: dict[str, str], keeper: dict[str, str]) -> None:
+def _rewire_consumers(
+    graph: Graph, editor: Editor, removed: dict[str, str], keeper: dict[str, str], elsewhere: set[str],
+) -> None:
     """Point every edge to a removed update at the kept update of the same variable, so that
     whatever ran an update of a variable before (a train op that groups any tower's updates,
     a separate group, `with_dependencies`) runs the kept one. A control edge that would close
-    a cycle (the kept update already runs after the reader) is dropped.
+    a cycle (the kept update already runs after the reader) is dropped, and so is one to an
+    update another worker keeps (its keeper is the variable `elsewhere` names: data edges read it).
 
     One pass over the inputs of each node that stays and reads a removed update (a train_op
     can wait on thousands of them), and one reachability sweep for every edge that may close
@@ -111,7 +127,7 @@ def _rewire_consumers(graph: Graph, editor: Editor, removed: dict[str, str], kee
                 inputs.append(spec)
             elif output >= 0:
                 inputs.append(tensor_name(keeper[src], output))
-            else:
+            elif keeper[src] not in elsewhere:
                 waits.add(keeper[src])
         present = {parse_input(spec)[0] for spec in inputs}
         rewired[reader] = inputs, sorted(waits - present)

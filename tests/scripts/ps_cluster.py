@@ -1,0 +1,226 @@
+"""A parameter-server cluster trainer, written the way replica_device_setter trainers were (issue 40).
+
+Every task is its own process with its own `tf.distribute.Server`: the ps joins and serves;
+each worker builds its K towers (one per virtual CPU of its server), trains STEPS steps with
+plain SGD and writes what it holds to OUT/worker<I>.npz. Two layouts:
+
+* ps (the TF benchmarks' `parameter_server`): every variable on the ps (`replica_device_setter`),
+  moving statistics too; `SyncReplicasOptimizer` averages the workers' gradients and applies them
+  once per step, driven by `MonitoredTrainingSession` and its hook (no initial tokens, so no
+  worker runs ahead on stale weights).
+* replicated (the benchmarks' `distributed_replicated`): each worker computes with its own
+  copy of the variables; the ps holds a shadow of each trainable one. A step adds lr/N of the
+  worker's gradient to every shadow, meets the other workers at a barrier of FIFO queues on the
+  ps (as the benchmarks' `add_sync_queues_and_barrier` does) and copies the shadows back.
+
+`--job reference` trains the same model in one process on one device, fed every worker's
+examples; `--scale` multiplies its images (the noise floor of a comparison).
+
+Usage: ps_cluster.py --job ps|worker|reference --task I --hosts JSON --layout ps|replicated
+       [--towers K] [--workers N] [--batch B] [--steps S] [--out DIR] [--scale F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import zlib
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+tf1 = tf.compat.v1
+CLASSES, IMAGE, LR = 3, 6, 0.1
+
+
+def _initial(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A variable's initial value from its name, the same in every process."""
+    rng = np.random.RandomState(zlib.crc32(name.encode()))
+    return (rng.standard_normal(shape) * 0.5).astype(np.float32)
+
+
+def _getter(getter, name, shape=None, initializer=None, **kwargs):
+    """Name-derived initial values for the model's weights (moving statistics keep theirs)."""
+    if "moving_" not in name and shape is not None:
+        initializer = tf1.constant_initializer(_initial(name.split("/", 1)[-1] if name.startswith("ps/") else name,
+                                                        tuple(shape)))
+    return getter(name, shape=shape, initializer=initializer, **kwargs)
+
+
+def tower_loss(images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+    """conv - batch norm - relu, twice, global mean, dense: the mean cross-entropy of the tower."""
+    layers = tf1.layers
+    with tf1.variable_scope("net", reuse=tf1.AUTO_REUSE, custom_getter=_getter):
+        h = layers.conv2d(images, 4, 3, padding="same", use_bias=False, name="conv1")
+        h = tf.nn.relu(layers.batch_normalization(h, training=True, momentum=0.9, name="bn1"))
+        h = layers.conv2d(h, 4, 3, padding="same", use_bias=False, name="conv2")
+        h = tf.nn.relu(layers.batch_normalization(h, training=True, momentum=0.9, name="bn2"))
+        logits = layers.dense(tf.reduce_mean(h, [1, 2]), CLASSES, name="dense")
+    return tf.reduce_mean(tf1.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+
+
+def batch(step: int, total: int, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """The global batch of `step`: `total` examples; worker I's towers take consecutive slices."""
+    rng = np.random.RandomState(1000 + step)
+    images = rng.standard_normal((total, IMAGE, IMAGE, 3)).astype(np.float32) * 2 + 0.5
+    return (images * np.float32(scale)).astype(np.float32), rng.randint(0, CLASSES, total).astype(np.int32)
+
+
+def _towers(args, task: int, device_of) -> tuple[list[tuple[tf.Tensor, tf.Tensor]], tf.Tensor, list]:
+    """Per tower (images, labels) placeholders, the worker's mean loss and mean gradients."""
+    feeds, losses, grads = [], [], []
+    for k in range(args.towers):
+        with tf1.device(device_of(k)), tf1.name_scope(f"tower_{k}"):
+            images = tf1.placeholder(tf.float32, [args.batch, IMAGE, IMAGE, 3], name="images")
+            labels = tf1.placeholder(tf.int32, [args.batch], name="labels")
+            loss = tower_loss(images, labels)
+            variables = [v for v in tf1.trainable_variables() if v.name.startswith("net/")]
+            grads.append(tf.gradients(loss, variables))
+            feeds.append((images, labels))
+            losses.append(loss)
+    mean_grads = [tf.add_n(list(g)) / args.towers for g in zip(*grads)]
+    return feeds, tf.add_n(losses) / args.towers, list(zip(mean_grads, variables))
+
+
+def _feed(feeds, args, task: int, step: int, scale: float = 1.0) -> dict:
+    images, labels = batch(step, args.batch * args.towers * args.workers, scale)
+    start = task * args.towers * args.batch
+    out = {}
+    for k, (x, y) in enumerate(feeds):
+        lo = start + k * args.batch
+        out[x], out[y] = images[lo:lo + args.batch], labels[lo:lo + args.batch]
+    return out
+
+
+def _config(args, task: int, worker: bool) -> tf1.ConfigProto:
+    config = tf1.ConfigProto(device_count={"CPU": args.towers}, inter_op_parallelism_threads=2,
+                             intra_op_parallelism_threads=1)
+    if worker:
+        config.device_filters.extend(["/job:ps", f"/job:worker/task:{task}"])
+    return config
+
+
+def _results(session, args, losses: list[float]) -> dict[str, np.ndarray]:
+    names = [v for v in tf1.global_variables() if v.name.startswith("net/")]
+    values = session.run(names)
+    out = {v.name.split(":")[0]: value for v, value in zip(names, values)}
+    out["losses"] = np.asarray(losses, np.float32)
+    return out
+
+
+def run_ps_layout(args, server, spec) -> dict[str, np.ndarray]:
+    task = args.task
+    setter = lambda k: tf1.train.replica_device_setter(  # noqa: E731
+        worker_device=f"/job:worker/task:{task}/device:CPU:{k}", cluster=spec)
+    global_step = None
+    with tf1.device(setter(0)):
+        global_step = tf1.train.get_or_create_global_step()
+    feeds, loss, grads_and_vars = _towers(args, task, setter)
+    with tf1.device(setter(0)):
+        opt = tf1.train.SyncReplicasOptimizer(tf1.train.GradientDescentOptimizer(LR), replicas_to_aggregate=args.workers,
+                                              total_num_replicas=args.workers)
+        # the updates beside (not before) the apply: what apply_gradients creates (its local step's initializer) must not wait on a batch
+        train_op = tf.group(opt.apply_gradients(grads_and_vars, global_step=global_step),
+                            *tf1.get_collection(tf1.GraphKeys.UPDATE_OPS))
+    hook = opt.make_session_run_hook(task == 0, num_tokens=0)
+    losses = []
+    with tf1.train.MonitoredTrainingSession(master=server.target, is_chief=task == 0, hooks=[hook],
+                                            config=_config(args, task, True), save_checkpoint_secs=None,
+                                            save_summaries_steps=None, log_step_count_steps=None, stop_grace_period_secs=2) as session:
+        for step in range(args.steps):
+            losses.append(session.run([train_op, loss], _feed(feeds, args, task, step))[1])
+        return _results(session, args, losses)
+
+
+def _barrier(name: str, workers: int, task: int, after: list) -> tf.Operation:
+    """Every worker passes once all have run `after`: a token to each other worker's queue on the ps,
+    then one token from each other worker taken from its own."""
+    with tf1.device("/job:ps/task:0"):
+        queues = [tf1.FIFOQueue(workers, [tf.bool], shapes=[[]], shared_name=f"{name}_{i}", name=f"{name}_{i}")
+                  for i in range(workers)]
+    with tf1.control_dependencies(after):
+        sent = [queues[i].enqueue(True) for i in range(workers) if i != task]
+    with tf1.control_dependencies(sent):
+        return queues[task].dequeue_many(workers - 1).op
+
+
+def run_replicated_layout(args, server, spec) -> dict[str, np.ndarray]:
+    task = args.task
+    device = lambda k: f"/job:worker/task:{task}/device:CPU:{k}"  # noqa: E731
+    feeds, loss, grads_and_vars = _towers(args, task, device)
+    with tf1.device("/job:ps/task:0"), tf1.variable_scope("ps", custom_getter=_getter):
+        shadows = [tf1.get_variable(v.op.name, v.shape) for _, v in grads_and_vars]
+    updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+    with tf1.control_dependencies(updates):
+        applied = [s.assign_sub(g * (LR / args.workers)) for (g, _), s in zip(grads_and_vars, shadows)]
+    passed = _barrier("bnrewrite_test_step", args.workers, task, applied)
+    with tf1.device(device(0)), tf1.control_dependencies([passed]):
+        train_op = tf.group(*[v.assign(s.read_value()) for (_, v), s in zip(grads_and_vars, shadows)])
+    ready = tf1.report_uninitialized_variables(shadows)
+    losses = []
+    with tf1.Session(server.target, config=_config(args, task, True)) as session:
+        session.run(tf1.variables_initializer([v for v in tf1.global_variables() if v not in shadows]))
+        if task == 0:
+            session.run(tf1.variables_initializer(shadows))
+        while len(session.run(ready)):
+            time.sleep(0.1)
+        for step in range(args.steps):
+            losses.append(session.run([train_op, loss], _feed(feeds, args, task, step))[1])
+        return _results(session, args, losses)
+
+
+def run_reference(args) -> dict[str, np.ndarray]:
+    """One device fed the examples of every worker's every tower, plain SGD, one update a step."""
+    total = args.batch * args.towers * args.workers
+    images = tf1.placeholder(tf.float32, [total, IMAGE, IMAGE, 3])
+    labels = tf1.placeholder(tf.int32, [total])
+    loss = tower_loss(images, labels)
+    with tf1.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+        train_op = tf1.train.GradientDescentOptimizer(LR).minimize(loss)
+    losses = []
+    with tf1.Session(config=tf1.ConfigProto(intra_op_parallelism_threads=1, inter_op_parallelism_threads=2)) as session:
+        session.run(tf1.global_variables_initializer())
+        for step in range(args.steps):
+            x, y = batch(step, total, args.scale)
+            losses.append(session.run([train_op, loss], {images: x, labels: y})[1])
+        return _results(session, args, losses)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--job", choices=["ps", "worker", "reference"], required=True)
+    parser.add_argument("--task", type=int, default=0)
+    parser.add_argument("--hosts", default="{}")
+    parser.add_argument("--layout", choices=["ps", "replicated"], default="ps")
+    parser.add_argument("--towers", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args(argv)
+    tf1.disable_eager_execution()
+    if args.job == "reference":
+        np.savez(os.path.join(args.out, f"reference_{args.scale}.npz"), **run_reference(args))
+        return 0
+    spec = tf.train.ClusterSpec(json.loads(args.hosts))
+    server = tf.distribute.Server(spec, job_name=args.job, task_index=args.task,
+                                  config=_config(args, args.task, args.job == "worker"), start=True)
+    if args.job == "ps":
+        server.join()
+        return 0
+    run = run_ps_layout if args.layout == "ps" else run_replicated_layout
+    result = run(args, server, spec)
+    np.savez(os.path.join(args.out, f"worker{args.task}.npz"), **result)
+    print(f"worker {args.task}: {args.steps} steps, last loss {result['losses'][-1]:.6f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
