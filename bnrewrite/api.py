@@ -157,8 +157,9 @@ def rewrite_graph(
     forever for the towers not run, on the collective backend until `timeout_seconds`.
 
     graph: a tf.Graph, tf.compat.v1.GraphDef or MetaGraphDef; never modified unless in_place.
-    backend: "auto" (NCCL when every tower is on a GPU; else "local" in one process, "collective"
-        with several workers or batch norms inside control flow v2), "nccl", "local" (one AddN on
+    backend: "auto" (NCCL when every tower is on a GPU; else "local" in one process, "ps" across the
+        workers of a parameter-server cluster, "collective" with several workers or batch norms
+        inside control flow v2), "nccl", "local" (one AddN on
         the first tower's device) or "collective" (CollectiveReduceV2).
     tower_by: "auto", "device" (one tower per device) or "scope" (one per top-level name scope).
     group_size: synchronize towers in consecutive groups of this many (default: all towers).
@@ -252,7 +253,7 @@ def _rewrite(
             f"kernels, faster from {KERNEL_MIN_ELEMENTS} elements per tower, need them: "
             "give the placeholders fully defined shapes)")
     devices = [site.device for site in plan.groups[0].sites]
-    if len(set(devices)) < len(devices):
+    if len(set(devices)) < len(devices) and plan.backend == "local":
         report.notes.append(
             f"towers {', '.join(plan.towers.ids)} share a device or name none "
             f"({', '.join(sorted({str(d) or '(no device)' for d in devices}))}): synchronized by one local sum; "
@@ -262,7 +263,12 @@ def _rewrite(
             f"worker {options.task_index} of {options.num_workers}: every all-reduce spans all workers' towers; "
             "every worker must have the same number of towers"
         )
-        if not options.timeout_seconds:
+        if plan.backend == "ps":
+            report.notes.append(
+                f"backend ps: the all-reduces go through FIFO queues on {', '.join(map(str, plan.servers))}, which "
+                "have no time-out of their own: bnrewrite run bounds every step by --timeout "
+                "(ConfigProto.operation_timeout_in_ms); a session of your own should set that")
+        elif not options.timeout_seconds:
             report.notes.append("no collective timeout: a worker that never joins makes the others wait forever")
     removed = {r["node"] for r in report.removed}
     with _signals_held():  # the caller's GraphDef changes here when in place: in steps undo can take back

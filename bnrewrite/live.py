@@ -78,6 +78,7 @@ class Shadow:
     signature: tuple = ()  # what the rewrite synchronized and skipped (_signature)
     replaced_by: "Shadow | None" = None  # the shadow of the graph grown since, which sessions move to
     sites: dict[str, int] = field(default_factory=dict)  # training batch norms the rewrite saw (_sites)
+    step_timeout_ms: int = 0  # backend ps with a timeout: every step's bound (step_config)
 
     def catch_up(self, script_graph: Any) -> None:
         """Copy the ops added to `script_graph` since the last call; an op that reads a missing
@@ -204,8 +205,26 @@ def make_shadow(count: int, result: Any, number: int = 0, options: LiveOptions |
         import_fragment(shadow_graph, result.graph_def.SerializeToString(), {}, {})
     removed = {r["node"]: f"the rewrite removed it ({r['why']})" for r in result.report.removed}
     functions = {f.signature.name for f in result.graph_def.library.function}
+    timeout = options.rewrite.get("timeout_seconds", 0.0) if result.report.backend == "ps" else 0.0
     return Shadow(shadow_graph, count, removed, functions, number, options, first_step, config=config,
-                  signature=_signature(result.report), sites=_sites(result.report))
+                  signature=_signature(result.report), sites=_sites(result.report),
+                  step_timeout_ms=max(1, round(timeout * 1000)) if timeout else 0)
+
+
+def step_config(config: Any, shadow: Shadow) -> Any:
+    """The ConfigProto for a session on `shadow`: with backend ps and a timeout, its
+    operation_timeout_in_ms (unless the script set one) bounds every step, as TensorFlow's
+    queues have no time-out of their own: a worker that never joins or dies makes the others'
+    step fail with DeadlineExceededError instead of waiting forever."""
+    if not shadow.step_timeout_ms or (config is not None and config.operation_timeout_in_ms):
+        return config
+    from tensorflow.core.protobuf import config_pb2
+
+    bounded = config_pb2.ConfigProto()
+    if config is not None:
+        bounded.CopyFrom(config)
+    bounded.operation_timeout_in_ms = shadow.step_timeout_ms
+    return bounded
 
 
 def _copy_ops(new_ops: list[Any], script_graph: Any, shadow: Shadow) -> None:

@@ -36,6 +36,7 @@ from bnrewrite.live import (
     note,
     record_verdict,
     shadow_for,
+    step_config,
     state,
     visible_gpus,
 )
@@ -188,7 +189,7 @@ def _patch(module: Any) -> None:
             # While enabled, it can still move to a shadow (_late_shadow); made while disabled, it runs as it is.
             self._bnrewrite_watch, self._bnrewrite_ran = state.options is not None, 0
             return
-        init(self, target, shadow.graph, config)
+        init(self, target, shadow.graph, step_config(config, shadow))
         self._graph = script_graph
         self._bnrewrite_shadow = shadow
 
@@ -287,6 +288,7 @@ def _move(session: Any, shadow: Shadow, old_graph: Any) -> Shadow | None:
     A session holding state that cannot be carried (queues, iterators, tables) is refused."""
     from tensorflow.python.client import pywrap_tf_session as tf_session
 
+    session._config = step_config(session._config, shadow)
     if not getattr(session, "_bnrewrite_ran", 0):
         new = new_session(session, shadow.graph)
         how = "its session was created before the model: it runs the synchronized graph from its first step"

@@ -94,39 +94,3 @@ def test_worker_dying_mid_run_fails_the_other():
     assert errors[1][0] == "ProcessDied", info.value
     assert errors[0][0] in ("UnavailableError", "DeadlineExceededError") and "[node " in errors[0][1], info.value
     assert elapsed < 60.0
-
-
-def _ps_towers_graph():
-    """2 towers on worker 0's CPUs with legacy tf.layers batch norm, every variable on /job:ps
-    (tf.compat.v1.train.replica_device_setter), averaged gradients: a parameter-server worker."""
-    import tensorflow as tf
-    from tf_keras.src.legacy_tf_layers import normalization
-
-    tf1 = tf.compat.v1
-    graph = tf.Graph()
-    cluster = tf.train.ClusterSpec({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]})
-    with graph.as_default():
-        optimizer, grads = tf1.train.GradientDescentOptimizer(0.1), []
-        for k in range(2):
-            worker = f"/job:worker/replica:0/task:0/device:CPU:{k}"
-            with tf1.device(tf1.train.replica_device_setter(worker_device=worker, cluster=cluster)), \
-                    tf1.variable_scope("net", reuse=k > 0), tf1.name_scope(f"tower_{k}"):
-                x = tf1.placeholder(tf.float32, [2, 4, 4, 3])
-                kernel = tf1.get_variable("kernel", [3, 3, 3, 4])
-                y = normalization.batch_normalization(tf.nn.conv2d(x, kernel, 1, "VALID"), training=True)
-                grads.append(optimizer.compute_gradients(tf.reduce_mean(tf.square(y))))
-        averaged = [(tf.add_n([g[j][0] for g in grads]) / 2, grads[0][j][1]) for j in range(len(grads[0]))]
-        optimizer.apply_gradients(averaged, name="train_op")
-    return graph
-
-
-def test_a_parameter_server_worker_is_refused_across_workers_and_synchronized_within_one():
-    from bnrewrite import BackendError, rewrite_graph
-
-    graph = _ps_towers_graph()
-    with pytest.raises(BackendError, match=r"worker 1's graph places .* on /job:ps/task:0.* a parameter-server "
-                                           r"cluster cannot be synchronized across workers") as caught:
-        rewrite_graph(graph.as_graph_def(), backend="collective", num_workers=2, task_index=1)
-    assert caught.value.exit_code == 9 and "Cleanup <step id>" in str(caught.value)
-    report = rewrite_graph(graph.as_graph_def()).report  # within the worker: its towers' local sum
-    assert report.backend == "local" and len(report.layers) == 1

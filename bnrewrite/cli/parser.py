@@ -9,6 +9,7 @@ import argparse
 from typing import Any
 
 from bnrewrite import __version__, errors, selfcheck
+from bnrewrite.arguments import BACKENDS
 from bnrewrite.cli.convert import cmd_convert
 from bnrewrite.cli.diff import cmd_diff
 from bnrewrite.cli.inspect import cmd_inspect
@@ -273,16 +274,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _rewrite_options(parser: argparse.ArgumentParser, tags: bool = True) -> None:
     group = parser.add_argument_group("rewrite")
-    group.add_argument("--backend", choices=["auto", "nccl", "local", "collective"], default="auto",
-                       help="all-reduce: NcclAllReduce (GPU towers), local (one AddN, towers of one process) or "
-                            "CollectiveReduceV2; auto picks NCCL when every tower is a GPU, else local unless "
-                            "several workers or batch norms inside control flow v2 need collective")
+    group.add_argument("--backend", choices=list(BACKENDS), default="auto",
+                       help="all-reduce: NcclAllReduce (GPU towers), local (one AddN, towers of one process), "
+                            "CollectiveReduceV2, or ps (queues on the parameter server of a ps cluster); auto picks "
+                            "NCCL when every tower is a GPU, else local unless several workers (ps when their graph "
+                            "uses a parameter server) or batch norms inside control flow v2 need collective")
     group.add_argument("--tower-by", choices=["auto", "device", "scope"], default="auto",
                        help="tell towers apart by device or by top-level name scope (default: device when sites span several)")
     group.add_argument("--group-size", type=_positive_int, metavar="G",
                        help="synchronize towers in consecutive groups of G (default: all towers together)")
     group.add_argument("--timeout", type=_non_negative_float, default=0.0, metavar="SECONDS",
-                       help="collective all-reduce timeout, so a missing peer fails instead of hanging (0: none)")
+                       help="collective all-reduce timeout (backend ps, under run: every step's), so a missing peer "
+                            "fails instead of hanging (0: none)")
     group.add_argument("--workers", type=_positive_int, default=1, metavar="N",
                        help="between-graph replication: N identical workers (collective backend)")
     group.add_argument("--task-index", type=_non_negative_int, metavar="I",

@@ -16,6 +16,8 @@ plain SGD and writes what it holds to OUT/worker<I>.npz. Two layouts:
 `--job reference` trains the same model in one process on one device, fed every worker's
 examples; `--scale` multiplies its images (the noise floor of a comparison).
 
+`launch` starts such a cluster on localhost (tests/test_ps_cluster.py, tools/ps_reliability.py).
+
 Usage: ps_cluster.py --job ps|worker|reference --task I --hosts JSON --layout ps|replicated
        [--towers K] [--workers N] [--batch B] [--steps S] [--out DIR] [--scale F]
 """
@@ -25,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
+import subprocess
 import sys
 import time
 import zlib
@@ -190,6 +194,54 @@ def run_reference(args) -> dict[str, np.ndarray]:
             x, y = batch(step, total, args.scale)
             losses.append(session.run([train_op, loss], {images: x, labels: y})[1])
         return _results(session, args, losses)
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def launch(out: str, layout: str, steps: int, synced: bool, towers: int = 1, tasks=(0, 1),
+             timeout: str = "60", deadline: float = 240.0) -> dict[int, subprocess.CompletedProcess]:
+    """Start a ps running this script and its workers `tasks` of 2 (under `bnrewrite run
+    --workers 2 --timeout T` when `synced`), wait for the workers (at most `deadline` s), stop every
+    process this started by its own id; the workers' exit codes and output."""
+    ps_port, *worker_ports = _free_ports(3)
+    hosts = json.dumps({"ps": [f"127.0.0.1:{ps_port}"], "worker": [f"127.0.0.1:{p}" for p in worker_ports]})
+    common = ["--hosts", hosts, "--layout", layout, "--steps", str(steps), "--out", out, "--towers", str(towers)]
+    script = os.path.abspath(__file__)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(script))))
+    started = [subprocess.Popen([sys.executable, script, "--job", "ps", *common], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    workers = {}
+    try:
+        for task in tasks:
+            run = [sys.executable, "-m", "bnrewrite", "run", "--workers", "2", "--task-index", str(task),
+                   "--timeout", timeout] if synced else [sys.executable]
+            workers[task] = subprocess.Popen([*run, script, "--job", "worker", "--task", str(task), *common], env=env,
+                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            started.append(workers[task])
+        end, done = time.monotonic() + deadline, {}
+        for task, process in workers.items():
+            try:
+                output, _ = process.communicate(timeout=max(1.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                output, _ = process.communicate()
+                output += f"\n(killed after {deadline} s)"
+            done[task] = subprocess.CompletedProcess(process.args, process.returncode, output)
+        return done
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,188 @@
+"""Parameter-server clusters (issue 40): 1 ps + 2 workers on localhost, each its own process.
+
+Each worker runs tests/scripts/ps_cluster.py unmodified, under `bnrewrite run --workers 2
+--task-index I`; the ps under plain python. Both of the script's layouts (every variable on
+the ps under SyncReplicasOptimizer; per-worker copies with ps shadows) must train like one
+process fed both workers' examples, the cluster without bnrewrite must not, a long run must
+finish (collectives across workers crashed these clusters within a few dozen steps), and a
+worker left alone must fail with DeadlineExceededError within its --timeout.
+
+The in-process tests check the rewrite of one such worker's graph: the backend it picks, the
+queues the two workers' graphs share, and the statistics update that only worker 0 keeps.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "ps_cluster.py")
+sys.path.insert(0, os.path.dirname(SCRIPT))
+from ps_cluster import launch  # noqa: E402
+
+
+def _reference(out: str, towers: int, scale: float) -> dict[str, np.ndarray]:
+    subprocess.run([sys.executable, SCRIPT, "--job", "reference", "--out", out, "--towers", str(towers),
+                    "--scale", repr(scale)], check=True, capture_output=True, timeout=120)
+    return dict(np.load(os.path.join(out, f"reference_{scale!r}.npz")))
+
+
+def _errors(got: dict, expected: dict) -> dict[str, float]:
+    return {name: float(np.abs(got[name] - value).max() / (np.abs(value).max() + 1e-12))
+            for name, value in expected.items() if name != "losses"}
+
+
+def _worker_results(out: str, runs: dict) -> list[dict[str, np.ndarray]]:
+    for task, run in runs.items():
+        assert run.returncode == 0, f"worker {task}:\n{run.stdout[-3000:]}"
+    return [dict(np.load(os.path.join(out, f"worker{task}.npz"))) for task in sorted(runs)]
+
+
+@pytest.mark.parametrize("layout, towers", [("ps", 2), ("replicated", 1)],
+                         ids=["variables on the ps, SyncReplicasOptimizer, 2 towers a worker",
+                              "per-worker copies with ps shadows, 1 tower a worker"])
+def test_a_ps_cluster_trains_like_one_process_fed_both_workers(tmp_path, layout, towers):
+    synced_dir, plain_dir, ref_dir = (tmp_path / name for name in ("synced", "plain", "reference"))
+    for d in (synced_dir, plain_dir, ref_dir):
+        d.mkdir()
+    synced = launch(str(synced_dir), layout, 2, True, towers)
+    plain = launch(str(plain_dir), layout, 2, False, towers)
+    reference = _reference(str(ref_dir), towers, 1.0)
+    floor = _errors(_reference(str(ref_dir), towers, 1.0 + 1e-7), reference)
+    for task, run in synced.items():
+        assert f"backend ps; worker {task} of 2" in run.stdout, run.stdout[-3000:]
+    worker0, worker1 = _worker_results(str(synced_dir), synced)
+    errors = _errors(worker0, reference)
+    assert {"net/bn1/moving_mean", "net/bn2/moving_variance", "net/conv1/kernel"} <= set(errors)
+    assert all(errors[n] <= 5 * max(floor[n], 1e-6) for n in errors), (errors, floor)
+    assert _errors(worker1, worker0) == dict.fromkeys(errors, 0.0)  # every worker sees the same values
+    np.testing.assert_allclose((worker0["losses"] + worker1["losses"]) / 2, reference["losses"], rtol=1e-5)
+    unsynced = _errors(_worker_results(str(plain_dir), plain)[0], reference)
+    assert max(unsynced.values()) > 0.1, unsynced
+    print(f"\n{layout}, {towers} tower(s) a worker: synced {max(errors.values()):.2g}, noise floor "
+          f"{max(floor.values()):.2g}, as built {max(unsynced.values()):.2g}")
+
+
+@pytest.mark.parametrize("layout", ["ps", "replicated"])
+def test_a_ps_cluster_trains_120_steps(tmp_path, layout):
+    """Collectives across these workers crashed them within a few dozen steps ('Cleanup <step id>')."""
+    runs = launch(str(tmp_path), layout, 120, True)
+    worker0, worker1 = _worker_results(str(tmp_path), runs)
+    assert len(worker0["losses"]) == 120 and np.isfinite(worker0["losses"]).all()
+    assert _errors(worker1, worker0) == dict.fromkeys(_errors(worker1, worker0), 0.0)
+
+
+def test_a_lone_ps_worker_fails_within_its_timeout(tmp_path):
+    """Queues have no time-out: run bounds every step by --timeout (operation_timeout_in_ms)."""
+    start = time.monotonic()
+    runs = launch(str(tmp_path), "replicated", 2, True, tasks=(0,), timeout="4", deadline=90.0)
+    assert time.monotonic() - start < 60
+    assert runs[0].returncode != 0 and "DeadlineExceededError" in runs[0].stdout, runs[0].stdout[-3000:]
+
+
+def _ps_towers_graph(on_ps: bool = True, training: object = True):
+    """2 towers on worker 0's CPUs with legacy tf.layers batch norm, every variable on /job:ps
+    (tf.compat.v1.train.replica_device_setter), averaged gradients: a parameter-server worker
+    (`on_ps` False: the variables on the worker's CPUs too; `training`: a bool or "cond", a
+    boolean placeholder, which puts the batch norm under tf.cond)."""
+    import tensorflow as tf
+    from tf_keras.src.legacy_tf_layers import normalization
+
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    cluster = tf.train.ClusterSpec({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]})
+    with graph.as_default():
+        optimizer, grads = tf1.train.GradientDescentOptimizer(0.1), []
+        for k in range(2):
+            worker = f"/job:worker/replica:0/task:0/device:CPU:{k}"
+            place = tf1.train.replica_device_setter(worker_device=worker, cluster=cluster) if on_ps else worker
+            with tf1.device(place), \
+                    tf1.variable_scope("net", reuse=k > 0), tf1.name_scope(f"tower_{k}"):
+                x = tf1.placeholder(tf.float32, [2, 4, 4, 3])
+                kernel = tf1.get_variable("kernel", [3, 3, 3, 4])
+                phase = tf1.placeholder_with_default(True, []) if training == "cond" else training
+                y = normalization.batch_normalization(tf.nn.conv2d(x, kernel, 1, "VALID"), training=phase)
+                grads.append(optimizer.compute_gradients(tf.reduce_mean(tf.square(y))))
+        averaged = [(tf.add_n([g[j][0] for g in grads]) / 2, grads[0][j][1]) for j in range(len(grads[0]))]
+        with tf1.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+            optimizer.apply_gradients(averaged, name="train_op")
+    return graph
+
+
+def _moving_updates(graph_def) -> Counter:
+    return Counter(next(i for i in n.input if "moving_" in i).split("/read")[0] for n in graph_def.node
+                   if n.op in ("AssignSubVariableOp", "AssignSub") and any("moving_" in i for i in n.input))
+
+
+def test_the_workers_graphs_meet_at_queues_on_the_ps_and_worker_0_alone_updates_its_statistics():
+    """An independent check of the two graphs together: every queue has one sender and one
+    receiver, over both workers; each all-reduce sums 4 members (2 towers x 2 workers); the
+    statistics on the ps have one update over both workers."""
+    from bnrewrite import rewrite_graph
+
+    graph = _ps_towers_graph()
+    results = [rewrite_graph(graph.as_graph_def(), num_workers=2, task_index=task) for task in (0, 1)]
+    assert [r.report.backend for r in results] == ["ps", "ps"]
+    ends: dict[str, Counter] = {}
+    for result in results:
+        nodes = {n.name: n for n in result.graph_def.node}
+        for node in nodes.values():
+            if node.op in ("QueueEnqueueV2", "QueueDequeueV2"):
+                queue = nodes[node.input[0]]
+                assert queue.op == "FIFOQueueV2" and queue.device.startswith("/job:ps") and node.device == queue.device
+                ends.setdefault(queue.attr["shared_name"].s.decode(), Counter())[node.op] += 1
+        sums = [n for n in nodes.values() if n.op == "AddN" and "_bnrewrite_queues" in n.attr]
+        assert sums and all(n.attr["N"].i == 4 for n in sums)
+    # forward + backward per tower: 2 towers x 2 workers = 4 members, each 3 queues out and 3 in
+    assert len(ends) == 2 * 4 * 3 and all(c == Counter(QueueEnqueueV2=1, QueueDequeueV2=1) for c in ends.values())
+    worker0, worker1 = (_moving_updates(r.graph_def) for r in results)
+    assert len(worker0) == 2 and set(worker0.values()) == {1} and not worker1, (worker0, worker1)
+    removed = results[1].report.removed
+    assert any("which the parameter server holds for every worker; worker 0 updates it" in r["why"] for r in removed)
+
+
+def test_backends_that_cannot_serve_a_ps_cluster_are_refused():
+    from bnrewrite import BackendError, rewrite_graph
+
+    graph_def = _ps_towers_graph().as_graph_def()
+    with pytest.raises(BackendError, match=r"/job:ps/replica:0/task:0/device:CPU:0, a process that runs no tower.*"
+                                           r"'Cleanup <step id>'.*use backend=\"ps\"") as caught:
+        rewrite_graph(graph_def, backend="collective", num_workers=2, task_index=1)
+    assert caught.value.exit_code == 9
+    with pytest.raises(BackendError, match="with one worker use backend=\"local\""):
+        rewrite_graph(graph_def, backend="ps")
+    report = rewrite_graph(graph_def).report  # within the worker: its towers' local sum
+    assert report.backend == "local" and len(report.layers) == 1
+
+
+def test_backend_ps_needs_a_parameter_server():
+    from bnrewrite import BackendError, rewrite_graph
+
+    graph_def = _ps_towers_graph(on_ps=False).as_graph_def()
+    with pytest.raises(BackendError, match="backend ps needs a parameter server in the graph"):
+        rewrite_graph(graph_def, backend="ps", num_workers=2)
+    assert rewrite_graph(graph_def, num_workers=2).report.backend == "collective"
+
+
+def test_backend_ps_refuses_batch_norm_inside_control_flow_v2_branches():
+    import tensorflow as tf
+
+    from bnrewrite import BackendError, rewrite_graph
+
+    was = tf.compat.v1.control_flow_v2_enabled()
+    tf.compat.v1.enable_control_flow_v2()
+    try:
+        graph_def = _ps_towers_graph(training="cond").as_graph_def()
+    finally:
+        if not was:
+            tf.compat.v1.disable_control_flow_v2()
+    assert any(n.op in ("If", "StatelessIf") for n in graph_def.node)
+    with pytest.raises(BackendError, match=r"backend ps cannot reach .*inside a function.*disable_control_flow_v2"):
+        rewrite_graph(graph_def, num_workers=2, task_index=1)
