@@ -265,9 +265,8 @@ def _rewrite(
         )
         if plan.backend == "ps":
             report.notes.append(
-                f"backend ps: the all-reduces go through FIFO queues on {', '.join(map(str, plan.servers))}, which "
-                "have no time-out of their own: bnrewrite run bounds every step by --timeout "
-                "(ConfigProto.operation_timeout_in_ms); a session of your own should set that")
+                f"all-reduces through queues on {', '.join(map(str, plan.servers))}, which have no time-out: "
+                "bnrewrite run bounds each step by --timeout, sessions of your own by ConfigProto.operation_timeout_in_ms")
         elif not options.timeout_seconds:
             report.notes.append("no collective timeout: a worker that never joins makes the others wait forever")
     removed = {r["node"] for r in report.removed}

@@ -121,6 +121,8 @@ def check_meaning(before: Effects, after_graph: Graph, plan: Plan, removed: set[
     effects) did; `removed`: the nodes the passes removed on purpose."""
     after = effects(after_graph, list(before.gradient_waits), before.updates)
     shared = shared_statistics(plan)
+    # statistics the ps holds for every worker: worker 0 alone updates them
+    elsewhere = {v for v in shared if plan.options.task_index and plan.shared_across_workers(after_graph, v)}
     lost = [t for t in before.updates if t not in after_graph and t not in removed]
     _fail_if("a target of the input is gone", lost)
     wrong = []
@@ -133,7 +135,7 @@ def check_meaning(before: Effects, after_graph: Graph, plan: Plan, removed: set[
             gone = was - removed - runs
             if gone:
                 wrong.append(f"{target} no longer runs {', '.join(sorted(gone)[:_SHOWN])}, which update(s) {variable}")
-            elif variable in shared and not (plan.options.task_index and plan.shared_across_workers(after_graph, variable)):
+            elif variable in shared and variable not in elsewhere:
                 count = len(runs & shared[variable])
                 if count > 1 or not count and was & shared[variable]:
                     wrong.append(f"{target} runs {count} of the towers' updates of {variable} per step")

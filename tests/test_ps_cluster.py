@@ -65,9 +65,9 @@ def test_a_ps_cluster_trains_like_one_process_fed_both_workers(tmp_path, layout,
     assert _errors(worker1, worker0) == dict.fromkeys(errors, 0.0)  # every worker sees the same values
     np.testing.assert_allclose((worker0["losses"] + worker1["losses"]) / 2, reference["losses"], rtol=1e-5)
     unsynced = _errors(_worker_results(str(plain_dir), plain)[0], reference)
-    assert max(unsynced.values()) > 0.1, unsynced
+    assert max(unsynced.values()) > 1e-2, unsynced  # the oracle's must-not-match margin
     print(f"\n{layout}, {towers} tower(s) a worker: synced {max(errors.values()):.2g}, noise floor "
-          f"{max(floor.values()):.2g}, as built {max(unsynced.values()):.2g}")
+          f"{max(floor.values()):.2g}, as built {max(unsynced.values()):.3g}")
 
 
 @pytest.mark.parametrize("layout", ["ps", "replicated"])
