@@ -261,9 +261,20 @@ def through_identity(graph: Graph, src: tuple[str, int]) -> tuple[str, int]:
     return src
 
 
+def _innermost(name: str, by_prefix: dict[str, Body]) -> Body | None:
+    """The body with the longest prefix that `name` lies under (one look-up per scope of it)."""
+    end = name.rfind("/")
+    while end > 0:
+        body = by_prefix.get(name[:end])
+        if body is not None:
+            return body
+        end = name.rfind("/", 0, end)
+    return None
+
+
 def restore(graph: Graph, bodies: Bodies) -> Graph:
     """The top-level graph with every body written back into its FunctionDef."""
-    by_prefix = sorted(bodies.bodies, key=lambda b: -len(b.prefix))
+    by_prefix = {b.prefix: b for b in bodies.bodies}
     owner: dict[str, Body] = {}
     pseudo: set[str] = set()
     for b in bodies.bodies:
@@ -275,7 +286,7 @@ def restore(graph: Graph, bodies: Bodies) -> Graph:
         if node.name in pseudo:
             editor.remove(node.name)
             continue
-        body = next((b for b in by_prefix if node.name.startswith(b.prefix + "/")), None)
+        body = _innermost(node.name, by_prefix)
         if body is None:
             top.append(node)
         else:
@@ -370,20 +381,23 @@ def adopt_sites(graph: Graph, bodies: Bodies, census: Census, called: set[str]) 
     for name, reason in bodies.skipped:
         census.skips.append(Skip(name, f"batch norm in its branch functions is not rewritten: {reason}"))
     sites = []
+    trained: set[str] | None = None
     for site in census.sites:
         if in_body(site.name):
             exits = statistic_outputs(graph, bodies, site.name, site.statistics)
             site = replace(site, exits=tuple(exits))
-            if site.kind == "fused" and not site.grads and _has_training_grad(graph, site.name):
-                census.skips.append(Skip(site.name, "its gradient function could not be paired with it"))
-                continue
+            if site.kind == "fused" and not site.grads:
+                if trained is None:
+                    trained = _trained_outer_names(graph)
+                if site.name.split(BODY_MARK)[0] in trained:
+                    census.skips.append(Skip(site.name, "its gradient function could not be paired with it"))
+                    continue
         sites.append(site)
     census.sites = sites
 
 
-def _has_training_grad(graph: Graph, site: str) -> bool:
-    prefix = site.split(BODY_MARK)[0] + BODY_MARK
-    return any(
-        n.name.startswith(prefix) and n.op in FUSED_GRAD and ("is_training" not in n.attr or n.attr["is_training"].b)
-        for n in graph
-    )
+def _trained_outer_names(graph: Graph) -> set[str]:
+    """The outer names (before the first BODY_MARK) of the flattened bodies that hold a
+    training-mode fused batch-norm gradient: one pass over the graph for every site."""
+    return {n.name.split(BODY_MARK)[0] for n in graph if BODY_MARK in n.name and n.op in FUSED_GRAD
+            and ("is_training" not in n.attr or n.attr["is_training"].b)}
