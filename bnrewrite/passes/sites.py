@@ -10,7 +10,7 @@ from bnrewrite.functions import in_body
 from bnrewrite.graph import Graph
 from bnrewrite.graph_edit import Editor
 from bnrewrite.names import tensor_name
-from bnrewrite.match.sites import Site
+from bnrewrite.match.census import Site
 from bnrewrite.nodes import DT_FLOAT, DT_HALF, Builder, Shared
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.plan import Plan

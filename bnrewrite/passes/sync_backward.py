@@ -26,7 +26,7 @@ from bnrewrite.collectives import all_reduce
 from bnrewrite.functions import through_identity
 from bnrewrite.graph import Graph
 from bnrewrite.names import parse_input
-from bnrewrite.match.sites import Site
+from bnrewrite.match.census import Site
 from bnrewrite.nodes import DT_FLOAT, Builder, DType, identity_n
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.passes.sites import SiteContext, deviations, each_site, kernel_sized, static_counts, statistics_node

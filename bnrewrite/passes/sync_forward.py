@@ -24,7 +24,7 @@ from tensorflow.core.framework.node_def_pb2 import NodeDef
 from bnrewrite.functions import in_body
 from bnrewrite.graph import Graph
 from bnrewrite.names import tensor_name
-from bnrewrite.match.sites import Site
+from bnrewrite.match.census import Site
 from bnrewrite.nodes import DT_DOUBLE, DT_FLOAT, MARK, Builder, DType, identity_n, set_attr
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.passes.sites import (DEVIATIONS_ATTR, SiteContext, each_site, kernel_sized, passes_sized, static_counts,
