@@ -11,7 +11,7 @@ function bodies, and for small float32 activations (normalized by two passes fro
 deviations, which the IdentityN passes on for sync_backward), the op itself becomes an
 IdentityN of its name. Invariant: every consumer of the original op reads, under the same
 tensor name, what the training op would give for the global batch.
-Why each path, with figures: docs/performance.md ("Kernels or passes").
+Why each path, with figures: docs/performance-history.md ("Kernels or passes").
 """
 
 
