@@ -27,7 +27,8 @@ from bnrewrite.graph import Graph
 from bnrewrite.graph_assembly import copy_fields
 from bnrewrite.names import tensor_name
 from bnrewrite.match.live_work import not_run
-from bnrewrite.match.sites import Census, Site, normalization, scan
+from bnrewrite.match.census import Census, Site
+from bnrewrite.match.sites import normalization, scan
 from bnrewrite.nodes import MARK
 from bnrewrite.opcheck import check_nodes
 from bnrewrite.passes import run_passes

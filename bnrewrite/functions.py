@@ -24,7 +24,8 @@ from bnrewrite.errors import PassError
 from bnrewrite.graph import Graph
 from bnrewrite.graph_edit import Editor
 from bnrewrite.names import parse_input, tensor_name
-from bnrewrite.match.sites import FUSED_GRAD, Census, Skip
+from bnrewrite.match.census import Census, Skip
+from bnrewrite.match.sites import FUSED_GRAD
 from bnrewrite.nodes import BODY_MARK, MARK
 from bnrewrite.ops import IF_OPS
 

@@ -21,7 +21,7 @@ from bnrewrite.errors import (
 from bnrewrite.functions import in_body
 from bnrewrite.graph import Device, Graph
 from bnrewrite.match.replicas import trained_apart
-from bnrewrite.match.sites import Census, Site, Skip
+from bnrewrite.match.census import Census, Site, Skip
 from bnrewrite.match.towers import LayerGroup, Towers, group_towers
 from bnrewrite.match.updates import direct_updates, find_updates
 

@@ -782,7 +782,7 @@ def test_graph_of_near_empty_nodes_is_refused_before_indexing(base, tmp_path):
 def test_memory_on_a_million_near_empty_nodes_is_a_small_multiple_of_the_file(tmp_path, base):
     """A GraphDef of 1M NoOps with 1-4 character names: rewrite_graph in a fresh process
     refuses it, its peak memory over the baseline (TensorFlow imported) within 16 times the
-    file, most of it the protobuf parse (docs/performance.md has the figures)."""
+    file, most of it the protobuf parse (docs/performance-history.md, "Millions of near-empty nodes")."""
     path = tmp_path / "tiny.pb"
     path.write_bytes(base.SerializeToString() + _no_ops(1_000_000, 4))
     script = ("import resource, sys; from tensorflow.core.framework import graph_pb2; import bnrewrite\n"

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from bnrewrite.graph import Graph
 from bnrewrite.names import parse_input
-from bnrewrite.match.sites import Site
+from bnrewrite.match.census import Site
 from bnrewrite.nodes import outer_node
 
 #: Ops whose output does not depend on their inputs' values (only on shapes, or nothing).

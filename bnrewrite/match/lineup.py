@@ -23,7 +23,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from bnrewrite.graph import Graph
-from bnrewrite.match.sites import VARIABLE_OPS, Site, Skip
+from bnrewrite.match.census import Site, Skip
+from bnrewrite.match.sites import VARIABLE_OPS
 
 #: A name component that names a tower or replica: tower_1, replica_1, v1, clone_2, gpu_0, ...
 TOWER_PART = re.compile(r"(?:tower|replica|clone|gpu|cpu|device|worker|shard|v)_?\d+", re.IGNORECASE)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from bnrewrite.graph import Graph
 from bnrewrite.names import parse_input
-from bnrewrite.match.sites import Site, Skip
+from bnrewrite.match.census import Site, Skip
 from bnrewrite.nodes import outer_node
 
 NOT_RUN = ("no training step runs it (nothing downstream of a gradient depends on it: e.g. the call that built a "

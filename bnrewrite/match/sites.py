@@ -1,15 +1,28 @@
-"""Finding batch-norm sites: training-mode fused batch norm and the gradients that read it."""
+"""Finding batch-norm sites: training-mode fused batch norm and the gradients that read it, and
+tf.nn.moments feeding tf.nn.batch_normalization and the gradients of its mean and variance
+(`normalization` reads that arithmetic's epsilon, scale and offset for the report). The records
+it fills (`Site`, `Skip`, `Census`) are in `census.py`.
+
+Why: the rewrite synchronizes only what it recognizes exactly; anything else keeps per-tower
+statistics, and the user is told why.
+
+Invariant: `scan` only reads the graph. Every training-mode fused batch norm it meets becomes a
+`Site` or a `Skip` with the reason (one `Skip` per function for the function library), and so
+does every tf.nn.moments pattern it recognizes (ghost batches, axes or keep_dims that differ, a
+gradient reaching only one statistic: a `Skip`).
+"""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import tensor_util
 
-from bnrewrite.graph import Device, Graph
+from bnrewrite.graph import Graph
+from bnrewrite.match.census import Census, Site, Skip
 from bnrewrite.names import tensor_name
 from bnrewrite.nodes import MARK
 from bnrewrite.opcheck import check_attrs, check_batch_norm_shapes
@@ -26,102 +39,6 @@ _READ_THROUGH = frozenset({
 #: Ops a batch statistic passes through, its values unchanged, on its way from tf.nn.moments
 #: into tf.nn.batch_normalization.
 _STATISTIC_THROUGH = frozenset({"Identity", "Squeeze", "Reshape", "ExpandDims", "Cast", "Switch"})
-
-
-@dataclass(frozen=True)
-class Update:
-    """An op that writes a batch statistic of a site into `variable`."""
-
-    node: str
-    variable: str
-    statistic: str  # "mean" or "variance"
-
-
-@dataclass(frozen=True)
-class Site:
-    """One training-mode batch norm in one tower.
-
-    kind "fused": `name` is the FusedBatchNorm* op and `grads` its gradient ops.
-    kind "moments": `name` is the Mean that `tf.nn.moments` makes, `variance` the Mean of
-    the squared differences, and `grads`/`variance_grads` the Reshape nodes through which
-    each `tf.gradients` call feeds the gradients of mean and variance back (aligned).
-    `scale_var`/`offset_var`: the variables the normalization reads as scale and offset (for
-    moments, those of the tf.nn.batch_normalization its statistics feed), None if none;
-    copies of a layer in several towers share them.
-    """
-
-    name: str
-    op: str
-    data_format: str
-    dtype: int
-    stat_dtype: int
-    epsilon: float
-    avg_factor: float
-    device: Device
-    grads: tuple[str, ...]
-    scale_var: str | None
-    offset_var: str | None
-    channels: int | None = None
-    updates: tuple[Update, ...] = field(default=())
-    kind: str = "fused"
-    variance: str = ""
-    axes: tuple[int, ...] = ()
-    keep_dims: bool = True
-    variance_grads: tuple[str, ...] = ()
-    #: (node, output, statistic) outside the site's function body that carry its statistics
-    #: (the outputs of the If whose branch holds it); moving-average updates are found from these too.
-    exits: tuple[tuple[str, int, str], ...] = ()
-    #: Functional control-flow ops (If, While, ...) its statistics enter on their way to
-    #: updates: moving-average updates inside their functions cannot be found.
-    opaque: tuple[str, ...] = ()
-
-    @property
-    def channel_axis(self) -> int:
-        return 1 if self.data_format.startswith("NC") else len(self.data_format) - 1
-
-    @property
-    def channel_shape(self) -> list[int]:
-        """Shape that lines a per-channel [C] vector up with the data; [] when it lines up as it
-        is (channels last)."""
-        if self.channel_axis == len(self.data_format) - 1:
-            return []
-        shape = [1] * len(self.data_format)
-        shape[self.channel_axis] = -1
-        return shape
-
-    @property
-    def reduce_axes(self) -> list[int]:
-        if self.kind == "moments":
-            return list(self.axes)
-        return [a for a in range(len(self.data_format)) if a != self.channel_axis]
-
-    @property
-    def statistics(self) -> list[tuple[str, int, str]]:
-        """(node, output, statistic) of the batch statistics that moving averages read."""
-        if self.kind == "moments":
-            return [(self.name, 0, "mean"), (self.variance, 0, "variance"), *self.exits]
-        return [(self.name, 1, "mean"), (self.name, 2, "variance"), *self.exits]
-
-    @property
-    def dtype_name(self) -> str:
-        return types_pb2.DataType.Name(self.dtype)[3:].lower()
-
-
-@dataclass(frozen=True)
-class Skip:
-    node: str
-    reason: str
-
-
-@dataclass
-class Census:
-    """What a scan of the graph found, before towers are considered."""
-
-    sites: list[Site]
-    inference: list[str]
-    rewritten: list[str]
-    skips: list[Skip]
-    not_run: list[Skip] = field(default_factory=list)  # training sites no gradient step runs: not towers
 
 
 def resolve_variable(graph: Graph, node: str) -> str | None:

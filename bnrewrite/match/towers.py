@@ -19,7 +19,7 @@ from bnrewrite.errors import NotReplicasError, NoTowersError, TowerMismatchError
 from bnrewrite.graph import Graph
 from bnrewrite.match.data_parallel import not_replicas
 from bnrewrite.match.lineup import line_up
-from bnrewrite.match.sites import Site, Skip
+from bnrewrite.match.census import Site, Skip
 
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from bnrewrite.graph import Graph
-from bnrewrite.match.sites import Update, resolve_variable
+from bnrewrite.match.census import Update
+from bnrewrite.match.sites import resolve_variable
 from bnrewrite.ops import IF_OPS
 
 ASSIGN_OPS = frozenset({

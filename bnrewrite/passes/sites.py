@@ -10,7 +10,7 @@ from bnrewrite.functions import in_body
 from bnrewrite.graph import Graph
 from bnrewrite.graph_edit import Editor
 from bnrewrite.names import tensor_name
-from bnrewrite.match.sites import Site
+from bnrewrite.match.census import Site
 from bnrewrite.nodes import DT_FLOAT, DT_HALF, Builder, Shared
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.plan import Plan
@@ -79,7 +79,7 @@ def deviations(graph: Graph, site: Site) -> tuple[str, str] | None:
 
 #: float32 activations of at least this many elements per tower take fused batch-norm kernels
 #: instead of elementwise passes for the local moments and dx; those known to be smaller are
-#: normalized by passes too (where the crossover lies: docs/performance.md, "Kernels or passes").
+#: normalized by passes too (where the crossover lies: docs/performance-history.md, "Kernels or passes").
 KERNEL_MIN_ELEMENTS = 1 << 17
 #: ... if of these types. float16 takes them at any size: its passes would hold float32 copies
 #: of the activation and its gradient across the all-reduce, raising the step's peak memory,

@@ -13,7 +13,7 @@ d(scale) and d(offset) stay tower-local (the graph's own averaging makes them ex
 for dx through control edges, as inside the fused kernel: an optimizer's update of a
 reference variable's scale must not overwrite it before dx has read it.
 The gradient op is replaced by an IdentityN of the same name, so its consumers are unchanged.
-Why each path, with figures and float16 rounding: docs/performance.md ("Kernels or passes").
+Why each path, with figures and float16 rounding: docs/performance-history.md ("Kernels or passes").
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from bnrewrite.collectives import all_reduce
 from bnrewrite.functions import through_identity
 from bnrewrite.graph import Graph
 from bnrewrite.names import parse_input
-from bnrewrite.match.sites import Site
+from bnrewrite.match.census import Site
 from bnrewrite.nodes import DT_FLOAT, Builder, DType, identity_n
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.passes.sites import SiteContext, deviations, each_site, kernel_sized, static_counts, statistics_node

@@ -11,7 +11,7 @@ function bodies, and for small float32 activations (normalized by two passes fro
 deviations, which the IdentityN passes on for sync_backward), the op itself becomes an
 IdentityN of its name. Invariant: every consumer of the original op reads, under the same
 tensor name, what the training op would give for the global batch.
-Why each path, with figures: docs/performance.md ("Kernels or passes").
+Why each path, with figures: docs/performance-history.md ("Kernels or passes").
 """
 
 
@@ -24,7 +24,7 @@ from tensorflow.core.framework.node_def_pb2 import NodeDef
 from bnrewrite.functions import in_body
 from bnrewrite.graph import Graph
 from bnrewrite.names import tensor_name
-from bnrewrite.match.sites import Site
+from bnrewrite.match.census import Site
 from bnrewrite.nodes import DT_DOUBLE, DT_FLOAT, MARK, Builder, DType, identity_n, set_attr
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.passes.sites import (DEVIATIONS_ATTR, SiteContext, each_site, kernel_sized, passes_sized, static_counts,

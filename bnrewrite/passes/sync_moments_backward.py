@@ -14,7 +14,7 @@ from bnrewrite.collectives import all_reduce
 from bnrewrite.errors import PassError
 from bnrewrite.functions import in_body
 from bnrewrite.graph import Graph
-from bnrewrite.match.sites import Site
+from bnrewrite.match.census import Site
 from bnrewrite.nodes import DT_INT32, Builder, DType
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.passes.sites import SiteContext, each_site

@@ -10,7 +10,7 @@ StopGradient the variance's gradient reads) then sees global statistics unchange
 from __future__ import annotations
 
 from bnrewrite.graph import Graph
-from bnrewrite.match.sites import Site
+from bnrewrite.match.census import Site
 from bnrewrite.nodes import DT_DOUBLE, DT_FLOAT, DT_INT32, DType, identity_n
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.passes.sites import SiteContext, each_site
