@@ -1,5 +1,5 @@
-"""What `convert`'s loader check costs: the rewritten MetaGraph imported with import_meta_graph
-into a fresh graph before anything is written (bnrewrite.io.verify.check_result).
+"""What `convert`'s loader check costs: the rewritten MetaGraph's C++ import and the names
+import_meta_graph would look up in it, before anything is written (bnrewrite.io.verify.check_result).
 
     python tools/bench_load_check.py [--configs 8x50,8x100] [--runs 3]
 
