@@ -122,7 +122,6 @@ def run_ps_layout(args, server, spec) -> dict[str, np.ndarray]:
     task = args.task
     setter = lambda k: tf1.train.replica_device_setter(  # noqa: E731
         worker_device=f"/job:worker/task:{task}/device:CPU:{k}", cluster=spec)
-    global_step = None
     with tf1.device(setter(0)):
         global_step = tf1.train.get_or_create_global_step()
     feeds, loss, grads_and_vars = _towers(args, task, setter)
