@@ -62,6 +62,18 @@ class GraphOrder:
                     stack.append(src)
         return False
 
+    def downstream(self, seeds: Iterable[str]) -> set[str]:
+        """The seeds and every node that reads one of them, transitively (data or control edges)."""
+        consumers = self.consumers
+        below = set(seeds)
+        stack = list(below)
+        while stack:
+            for reader in consumers.get(stack.pop(), ()):
+                if reader not in below:
+                    below.add(reader)
+                    stack.append(reader)
+        return below
+
     def ancestors_among(self, names: Iterable[str], candidates: Iterable[str]) -> dict[str, set[str]]:
         """For each of `names`, the `candidates` it runs after (`depends_on` for every pair).
 
@@ -74,12 +86,7 @@ class GraphOrder:
         numbering, consumers = self._numbering, self.consumers
         order = list(dict.fromkeys(candidates))
         bits = {name: 1 << i for i, name in enumerate(order)}
-        below, stack = set(bits), list(bits)
-        while stack:
-            for reader in consumers.get(stack.pop(), ()):
-                if reader not in below:
-                    below.add(reader)
-                    stack.append(reader)
+        below = self.downstream(bits)
         upstream: dict[str, int] = {}  # node -> the candidates it runs after, as bits
         for name in sorted(below, key=numbering.__getitem__):  # type: ignore[union-attr]
             reach = upstream.get(name, 0) | bits.get(name, 0)

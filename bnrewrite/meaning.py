@@ -51,12 +51,7 @@ def _reach(graph: Graph, seeds: list[str]) -> dict[str, int]:
     """node -> bit set of the seeds it runs after (bit i: seeds[i]; a seed reaches itself),
     for the descendants of the seeds only."""
     consumers = graph.consumers
-    below, stack = set(seeds), list(seeds)
-    while stack:
-        for reader in consumers.get(stack.pop(), ()):
-            if reader not in below:
-                below.add(reader)
-                stack.append(reader)
+    below = graph.downstream(seeds)
     masks = {seed: 1 << i for i, seed in enumerate(seeds)}
     for name in graph.sorted_topologically(below):
         mask = masks.get(name)
@@ -121,8 +116,7 @@ def check_meaning(before: Effects, after_graph: Graph, plan: Plan, removed: set[
     effects) did; `removed`: the nodes the passes removed on purpose."""
     after = effects(after_graph, list(before.gradient_waits), before.updates)
     shared = shared_statistics(plan)
-    # statistics the ps holds for every worker: worker 0 alone updates them
-    elsewhere = {v for v in shared if plan.options.task_index and plan.shared_across_workers(after_graph, v)}
+    elsewhere = {v for v in shared if plan.updated_by_worker_0(after_graph, v)}
     lost = [t for t in before.updates if t not in after_graph and t not in removed]
     _fail_if("a target of the input is gone", lost)
     wrong = []

@@ -71,10 +71,11 @@ class Plan:
             queue_device=str(self.servers[layer % len(self.servers)]) if self.servers else "",
         )
 
-    def shared_across_workers(self, graph: Graph, variable: str) -> bool:
-        """Whether `variable` lives on a parameter server, where every worker's towers update it."""
+    def updated_by_worker_0(self, graph: Graph, variable: str) -> bool:
+        """Whether `variable` is another worker's to update: this is not worker 0, and the variable
+        lives on a parameter server, where every worker's towers update it with the same value."""
         device = graph.device(variable)
-        return any((device.job, device.task) == (s.job, s.task) for s in self.servers)
+        return self.options.task_index > 0 and any((device.job, device.task) == (s.job, s.task) for s in self.servers)
 
     @property
     def on_gpu(self) -> bool:

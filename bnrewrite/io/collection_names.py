@@ -40,8 +40,8 @@ def resolver(outputs: dict[str, int]) -> Resolves:
 
 
 def unresolved(meta: Any, graph_def: Any, resolves: Resolves) -> list[str] | None:
-    """The names `import_meta_graph` would fail to find in `meta`'s collections (each as
-    "collection: name"), or None when a collection is rebuilt in a way not known here.
+    """The names `import_meta_graph` would fail to find in `meta`'s collections and saver_def
+    (each as "collection: name"), or None when a collection is rebuilt in a way not known here.
     (TensorFlow is imported here, not with the module: inputs refused early never load it.)"""
     from tensorflow.core.framework import variable_pb2
     from tensorflow.core.protobuf import control_flow_pb2, queue_runner_pb2, saver_pb2
@@ -68,6 +68,8 @@ def unresolved(meta: Any, graph_def: Any, resolves: Resolves) -> list[str] | Non
                 missing.extend(f"{key}: {n}" for n in names(proto_type.FromString(data), nodes, resolves))
         elif kind == "node_list":
             missing.extend(f"{key}: {name}" for name in collection.node_list.value if not resolves(name))
+    if meta.HasField("saver_def"):  # the Saver import_meta_graph makes from it
+        missing.extend(f"saver_def: {n}" for n in _saver(meta.saver_def, nodes, resolves))
     return missing
 
 

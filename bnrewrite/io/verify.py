@@ -69,14 +69,9 @@ def loads_whole(entry: Entry) -> str | None:
     meta = entry.meta_graph
     if error is not None or meta is None:
         return error
-    resolves = resolver(output_counts(graph))
-    missing = unresolved(meta, entry.graph_def, resolves)
+    missing = unresolved(meta, entry.graph_def, resolver(output_counts(graph)))
     if missing is None:
         return import_check(entry)
-    if meta.HasField("saver_def"):
-        saver = meta.saver_def
-        missing += [f"saver_def: {n}" for n in (saver.filename_tensor_name, saver.save_tensor_name, saver.restore_op_name)
-                    if not resolves(n)]
     if not missing:
         return None
     more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""

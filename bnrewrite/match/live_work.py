@@ -30,12 +30,7 @@ def not_run(graph: Graph, sites: list[Site]) -> list[Skip]:
     grads = {outer_node(g) for s in sites for g in (*s.grads, *s.variance_grads)}
     if not grads:
         return []
-    step, stack, consumers = set(grads), list(grads), graph.consumers
-    while stack:
-        for reader in consumers.get(stack.pop(), ()):
-            if reader not in step:
-                step.add(reader)
-                stack.append(reader)
+    step = graph.downstream(grads)
     live, stack = set(step), list(step)
     while stack:
         for spec in graph.node(stack.pop()).input:

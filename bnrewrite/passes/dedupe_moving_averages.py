@@ -49,11 +49,10 @@ def dedupe_moving_averages(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]
     doomed: dict[str, str] = {}
     keeper: dict[str, str] = {}
     elsewhere: set[str] = set()  # variables another worker updates
-    worker = plan.options.task_index
     for variable, nodes in writers.items():
-        if worker and plan.shared_across_workers(graph, variable):
+        if plan.updated_by_worker_0(graph, variable):
             doomed.update(dict.fromkeys(nodes, f"update of {variable}, which the parameter server holds for every "
-                                               f"worker; worker 0 updates it, worker {worker} does not"))
+                                               f"worker; worker 0 updates it, worker {plan.options.task_index} does not"))
             keeper.update(dict.fromkeys(nodes, variable))
             elsewhere.add(variable)
             continue
