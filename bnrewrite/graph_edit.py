@@ -130,7 +130,8 @@ class Editor:
             return self._base
         touched_in_order = [name for name in self._nodes if name in touched]
         nodes = self._base._all(self._nodes[name] for name in touched_in_order)
-        inputs = {name: [parse_input(spec) for spec in node.input] for name, node in zip(touched_in_order, nodes)}
+        # nodes first: zip then runs its generators to their end, none is left to be closed later
+        inputs = {name: [parse_input(spec) for spec in node.input] for node, name in zip(nodes, touched_in_order)}
         change = _Change(self._base, touched, self._removed - self._nodes.keys(), inputs)
         consumers = None if self._base._consumers is None else change.updated_consumers(self._nodes)
         base = self._base

@@ -40,10 +40,11 @@ SESSION_MODULE = "tensorflow.python.client.session"
 #: What makes a graph run unchanged rather than refused: there is nothing to synchronize.
 NOTHING_TO_SYNC = (NoBatchNormError, InferenceOnlyError, AlreadyRewrittenError, NoTowersError)
 #: Op types that can make (or hold, in their functions) a training batch-norm layer or its gradients
-#: (Reshape: a moments layer's): a graph that gains one after it was decided is looked at again
+#: (Reshape, BroadcastTo: a moments layer's): a graph that gains one after it was decided is looked at again
 #: (Keras' fit adds the gradients to a graph whose session compile made and ran).
 MAY_TRAIN_BATCH_NORM = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "Mean", "If", "StatelessIf",
-                                  "FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3", "Reshape"})
+                                  "FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3", "Reshape",
+                                  "BroadcastTo"})
 
 
 @dataclass(frozen=True)

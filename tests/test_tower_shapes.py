@@ -64,12 +64,12 @@ def check_oracle(name: str, spec: Spec, splits=None, **options):
 
 
 def check_layers(report, tower_scopes: list[str]):
-    """Two layers, each with one site per tower in tower order, named after the shared variables;
-    tower_scopes: the name scope each tower's layers sit in."""
+    """Two layers, named after the shared variables, each with one site per tower in tower
+    order; tower_scopes: the name scope each tower's layers sit in."""
     assert [row.layer for row in report.layers] == BN_LAYERS
     for row in report.layers:
-        bn = row.layer.split("/")[-1]
-        assert [site.rsplit("/", 1)[0] for site in row.sites] == [f"{scope}/{bn}" for scope in tower_scopes]
+        assert len(row.sites) == len(tower_scopes), row.sites
+        assert all(site.startswith(f"{scope}/") for site, scope in zip(row.sites, tower_scopes)), row.sites
         assert len(row.gradients) == len(tower_scopes) and row.collectives == 2 * len(tower_scopes)
 
 
@@ -139,11 +139,49 @@ def test_scope_grouping_asked_for(prefix, k):
 UNEVEN_SPLITS = [[1, 4, 7], [6, 2, 4], [3, 5, 4]]
 
 
-@pytest.mark.parametrize("layer, data_format", [("legacy", "NHWC"), ("fused_op", "NCHW")])
+#: The moments layers too: on a batch of unknown size TensorFlow's Mean gradient takes the
+#: incoming gradient in by a BroadcastTo, not a Reshape (their backward was left local).
+@pytest.mark.parametrize("layer, data_format", [("legacy", "NHWC"), ("fused_op", "NCHW"), ("legacy_unfused", "NHWC"),
+                                                ("moments_cond_v1", "NCHW"), ("moments_cond_v2", "NHWC")])
 def test_uneven_batches(layer, data_format):
     spec = Spec(towers=3, batch=4, layer=layer, data_format=data_format, uneven=True)
     report = check_oracle(f"uneven-{layer}-{data_format}", spec, UNEVEN_SPLITS, timeout_seconds=TIMEOUT_SECONDS)
     check_layers(report, ["tower_0/net", "tower_1/net", "tower_2/net"])
+
+
+def test_uneven_moments_under_enable():
+    """The sessions of `bnrewrite run` synchronize a moments layer fed batches of unknown size as
+    the API does (they ran the graph unchanged: its gradient went unseen, "no gradient yet")."""
+    import bnrewrite
+    from bnrewrite import live
+
+    spec = Spec(towers=3, batch=4, layer="legacy_unfused", uneven=True)
+    built, ref = build_towers(spec), build_reference(spec)
+    data = make_batches(spec, STEPS)
+    expected = train(ref.graph, ref, data, num_devices=1)
+    unsynced = train(built.graph, built, data, num_devices=spec.towers, splits=UNEVEN_SPLITS)
+    with bnrewrite.enabled(quiet=True):
+        synced = train(built.graph, built, data, num_devices=spec.towers, splits=UNEVEN_SPLITS)
+    assert live.records()[-1]["outcome"] == "synchronized", live.records()[-1]["why"]
+    assert max(rel_errors(unsynced, expected).values()) > UNSYNCED_AT_LEAST
+    assert max(rel_errors(synced, expected).values()) <= TOLERANCE
+
+
+def test_a_moments_gradient_of_an_unknown_form_is_refused():
+    """A Mean gradient that takes the incoming gradient in by an op other than Reshape or
+    BroadcastTo (as a future TensorFlow might build it) cannot be rewritten: the layer is
+    refused, not synchronized in its forward pass alone (which would train it wrongly)."""
+    from bnrewrite.errors import UnsyncedLayerError
+
+    graph_def = build_towers(Spec(layer="legacy_unfused", uneven=True)).graph.as_graph_def()
+    renamed = {n.name: n.name[: -len("BroadcastTo")] + "Expand" for n in graph_def.node
+               if "bn1/moments/" in n.name and n.name.endswith("_grad/BroadcastTo")}
+    assert len(renamed) == 4  # mean and variance x 2 towers
+    for node in graph_def.node:
+        node.name = renamed.get(node.name, node.name)
+        node.input[:] = [renamed.get(i.split(":")[0], i.split(":")[0]) + i[len(i.split(":")[0]):] for i in node.input]
+    with pytest.raises(UnsyncedLayerError, match="bn1/moments/mean takes the incoming gradient in by ops bnrewrite does not"):
+        rewrite_graph(graph_def)
 
 
 #: (Spec kwargs, per-step splits): every tower is empty in some step, tower 0 included (its

@@ -33,8 +33,9 @@ class Site:
 
     kind "fused": `name` is the FusedBatchNorm* op and `grads` its gradient ops.
     kind "moments": `name` is the Mean that `tf.nn.moments` makes, `variance` the Mean of
-    the squared differences, and `grads`/`variance_grads` the Reshape nodes through which
-    each `tf.gradients` call feeds the gradients of mean and variance back (aligned).
+    the squared differences, and `grads`/`variance_grads` the Reshape (BroadcastTo, for an
+    input of unknown shape) nodes through which each `tf.gradients` call feeds the gradients
+    of mean and variance back (aligned).
     `scale_var`/`offset_var`: the variables the normalization reads as scale and offset (for
     moments, those of the tf.nn.batch_normalization its statistics feed), None if none;
     copies of a layer in several towers share them.
@@ -58,6 +59,8 @@ class Site:
     axes: tuple[int, ...] = ()
     keep_dims: bool = True
     variance_grads: tuple[str, ...] = ()
+    #: Moments sites: the tensor the moments are taken of (the passes replace the Means that read it).
+    x: str = ""
     #: (node, output, statistic) outside the site's function body that carry its statistics
     #: (the outputs of the If whose branch holds it); moving-average updates are found from these too.
     exits: tuple[tuple[str, int, str], ...] = ()

@@ -86,7 +86,7 @@ def _attr(node: object, key: str, default: object) -> object:
 
 def scan(graph: Graph) -> Census:
     census = Census([], [], [], [])
-    gradient_reshapes = _gradient_reshapes(graph)
+    mean_gradients = _mean_gradients(graph)
     for node in graph:
         if MARK in node.attr:
             census.rewritten.append(node.name)
@@ -96,7 +96,7 @@ def scan(graph: Graph) -> Census:
             if node.op != "Mean":
                 check_batch_norm_shapes(graph, node)  # the rewrite keeps it: TensorFlow must import it
         if node.op == "Mean":
-            site, reason = _moments_site(graph, node, gradient_reshapes)
+            site, reason = _moments_site(graph, node, mean_gradients)
             if site is not None:
                 census.sites.append(site)
             elif reason:
@@ -164,23 +164,39 @@ def _inference_in_functions(graph: Graph) -> list[str]:
 _GRADIENTS_SCOPE = re.compile(r"gradients(_\d+)?$")
 
 
-def _gradient_reshapes(graph: Graph) -> dict[str, list[str]]:
-    """Forward op name -> the `<op>_grad/Reshape` nodes tf.gradients made for it.
+@dataclass
+class _MeanGradients:
+    """Per Mean op: the nodes where each gradient tf.gradients made for it takes in the
+    incoming gradient (`entries`), and the gradient scopes made for it (`scopes`): a scope
+    without an entry is a gradient bnrewrite cannot rewrite."""
 
-    TensorFlow names the gradient of op X `.../gradients[_N]/X_grad/...`; the gradient of a
-    Mean starts with a Reshape of the incoming gradient.
-    """
-    index: dict[str, list[str]] = {}
+    entries: dict[str, list[str]]
+    scopes: dict[str, set[str]]
+
+
+def _mean_gradients(graph: Graph) -> _MeanGradients:
+    """TensorFlow names the gradient of op X `.../gradients[_N]/X_grad/...`. The gradient of a
+    Mean takes the incoming gradient in with a Reshape (then a Tile, or with an unknown input
+    shape a BroadcastTo), or, when nothing needs reshaping (tf.nn.moments, which keeps dims, on
+    a batch of unknown size), with the BroadcastTo itself."""
+    found = _MeanGradients({}, {})
     for name in graph.names():
-        if not name.endswith("_grad/Reshape"):
+        scope, _, op = name.rpartition("/")
+        if not scope.endswith("_grad"):
             continue
-        parts = name.split("/")
-        for i, part in enumerate(parts[:-2]):
+        parts = scope.split("/")
+        for i, part in enumerate(parts[:-1]):
             if _GRADIENTS_SCOPE.match(part):
-                forward = "/".join(parts[i + 1:-1])[: -len("_grad")]
-                index.setdefault(forward, []).append(name)
+                forward = "/".join(parts[i + 1:])[: -len("_grad")]
                 break
-    return index
+        else:
+            continue
+        if forward not in graph or graph.node(forward).op != "Mean":
+            continue
+        found.scopes.setdefault(forward, set()).add(scope)
+        if op == "Reshape" or (op == "BroadcastTo" and not graph.producer(name, 0)[0].startswith(scope + "/")):
+            found.entries.setdefault(forward, []).append(name)  # not a BroadcastTo of that Reshape
+    return found
 
 
 def _const_value(graph: Graph, name: str) -> object:
@@ -188,7 +204,7 @@ def _const_value(graph: Graph, name: str) -> object:
     return tensor_util.MakeNdarray(node.attr["value"].tensor) if node.op == "Const" else None
 
 
-def _moments_site(graph: Graph, variance: object, gradient_reshapes: dict[str, list[str]]) -> tuple[Site | None, str]:
+def _moments_site(graph: Graph, variance: object, gradients: _MeanGradients) -> tuple[Site | None, str]:
     """`variance` = Mean(SquaredDifference(x, [StopGradient](mean)), axes), mean = Mean(x, axes)."""
     squared, _ = graph.producer(variance.name, 0)  # type: ignore[attr-defined]
     if graph.node(squared).op != "SquaredDifference":
@@ -210,10 +226,15 @@ def _moments_site(graph: Graph, variance: object, gradient_reshapes: dict[str, l
     keep_dims = bool(_attr(mean_node, "keep_dims", False))
     if keep_dims != bool(_attr(variance, "keep_dims", False)):
         return None, f"mean and variance of {mean} differ in keep_dims"
-    grads = sorted(gradient_reshapes.get(mean, []))
-    variance_grads = sorted(gradient_reshapes.get(variance.name, []))  # type: ignore[attr-defined]
+    grads = sorted(gradients.entries.get(mean, []))
+    variance_grads = sorted(gradients.entries.get(variance.name, []))  # type: ignore[attr-defined]
     if len(grads) != len(variance_grads):
         return None, f"the gradient reaches only one of mean and variance of {mean}; left unsynced"
+    for op, entries in ((mean, grads), (variance.name, variance_grads)):  # type: ignore[attr-defined]
+        if len(entries) != len(gradients.scopes.get(op, ())):
+            return None, (f"a gradient of {op} takes the incoming gradient in by ops bnrewrite does not know (no "
+                          f"Reshape or BroadcastTo under {sorted(gradients.scopes[op])[0]}); left unsynced, as "
+                          "synchronizing its forward pass alone would train it wrongly")
     dtype = int(_attr(mean_node, "T", types_pb2.DT_FLOAT))
     scale_var, offset_var = _affine_variables(graph, variance.name)  # type: ignore[attr-defined]
     site = Site(
@@ -233,6 +254,7 @@ def _moments_site(graph: Graph, variance: object, gradient_reshapes: dict[str, l
         axes=tuple(int(a) for a in np.atleast_1d(axes)),
         keep_dims=keep_dims,
         variance_grads=tuple(variance_grads),
+        x=tensor_name(x, x_out),
     )
     return site, ""
 
