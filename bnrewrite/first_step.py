@@ -39,7 +39,7 @@ class FirstStep:
     def build(cls, graph: Any, result: Any) -> "FirstStep":
         from bnrewrite import stepcheck
 
-        check = stepcheck.build(graph, result.report)
+        check = stepcheck.build(graph, result.graph_def, result.report)
         nodes = result.graph_def.node
         inputs = {node.name: [name.lstrip("^").split(":")[0] for name in node.input] for node in nodes}
         sites = frozenset(site for layer in check.layers for site in layer.row.sites)  # the layers it can see
@@ -95,16 +95,31 @@ class FirstStep:
         UnsyncedLayerError on a skipped layer)."""
         ran = self._reach(names) & self.updates
         fetches = self.check.fetches(ran)
-        before = _read(session, self._outputs(self.check.before))
-        feeds = {self.graph.get_tensor_by_name(name)._as_tf_output(): value
-                 for name, value in self.check.feed(before).items()}
-        values = step(self._outputs(fetches), feeds)
+        outputs = _Outputs(self.graph)
+        before = _read(session, outputs(self.check.before))
+        feed = self.check.feed(before)
+        values = step(outputs(fetches), dict(zip(outputs(list(feed)), feed.values())))
         script, checked = (values[:-len(fetches)], values[-len(fetches):]) if fetches else (values, [])
-        after = _read(session, self._outputs(self.check.after))
+        after = _read(session, outputs(self.check.after))
         return script, self.check.evaluate(before, checked, after, ran)
 
-    def _outputs(self, names: list[str]) -> list[Any]:
-        return [self.graph.get_tensor_by_name(name)._as_tf_output() for name in names]
+
+class _Outputs:
+    """Tensor names -> TF_Outputs of a graph's C graph (the check's ops have no Python Operations)."""
+
+    def __init__(self, graph: Any) -> None:
+        from bnrewrite.c_graph import operations
+
+        self.ops = operations(graph)
+
+    def __call__(self, names: list[str]) -> list[Any]:
+        from tensorflow.python.framework import c_api_util
+
+        found = []
+        for name in names:
+            op, _, index = name.rpartition(":")
+            found.append(c_api_util.tf_output(self.ops[op], int(index)))
+        return found
 
 
 def _read(session: Any, outputs: list[Any]) -> list[Any]:

@@ -189,21 +189,16 @@ def records() -> list[dict[str, Any]]:
 
 
 def make_shadow(count: int, result: Any, number: int = 0, options: LiveOptions | None = None, config: Any = None) -> Shadow:
-    """The shadow of a graph whose first `count` ops `result` rewrote. To be verified, it is
-    imported with a Python Operation per node, which the check's ops are built on."""
+    """The shadow of a graph whose first `count` ops `result` rewrote; to be verified, with the
+    check's ops."""
     import tensorflow as tf
 
     from bnrewrite.first_step import FirstStep
 
     options = options or LiveOptions()
     shadow_graph = tf.Graph()
-    first_step = None
-    if options.verify:
-        with shadow_graph.as_default():
-            tf.graph_util.import_graph_def(result.graph_def, name="")
-        first_step = FirstStep.build(shadow_graph, result)
-    else:
-        import_fragment(shadow_graph, result.graph_def.SerializeToString(), {}, {})
+    import_fragment(shadow_graph, result.graph_def.SerializeToString(), {}, {})
+    first_step = FirstStep.build(shadow_graph, result) if options.verify else None
     removed = {r["node"]: f"the rewrite removed it ({r['why']})" for r in result.report.removed}
     functions = {f.signature.name for f in result.graph_def.library.function}
     timeout = options.rewrite.get("timeout_seconds", 0.0) if result.report.backend == "ps" else 0.0

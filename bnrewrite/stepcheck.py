@@ -1,8 +1,8 @@
 """Proof on one step that a rewritten graph normalized every synced layer with the global batch's
 statistics and moved each moving statistic exactly once toward them.
 
-`build` adds check ops under `bnrewrite_verify/` to a tf.Graph holding the rewritten graph; they
-share no op with the rewrite's and write no variable. Per layer and tower they compute, on the
+`build` adds check ops under `bnrewrite_verify/` to the C graph of a tf.Graph holding the rewritten
+graph; they share no op with the rewrite's and write no variable. Per layer and tower they compute, on the
 tower's device, float64 per-channel sums of x and x^2 (from the layer's input), max |x|, and
 max |y - y_hat| with y_hat computed in float64 from x, gamma, beta, epsilon and the global
 moments the rewrite made; the output's figure is that over the channel's largest term. The caller fetches
@@ -147,6 +147,7 @@ class StepCheck:
     snapshots: dict[str, str] = field(default_factory=dict)
     #: (layer, why) of each training batch-norm layer the rewrite skipped, in the report's order
     unsynced: list[tuple[str, str]] = field(default_factory=list)
+    scope: str = SCOPE  # the check's ops are under it
 
     def feed(self, before_values: Sequence[Any]) -> dict[str, Any]:
         """What to add to the step's feed, from the values of the `before` run."""
@@ -193,44 +194,47 @@ class StepCheck:
             f"their towers normalize with their own batch statistics: {named}{rest}")
 
 
-def build(graph: Any, report: Report) -> StepCheck:
-    """Add the check ops for every synced layer of `report` to `graph` (the rewritten graph)."""
-    import tensorflow as tf
-
+def build(graph: Any, graph_def: Any, report: Report, *, python_ops: bool = False) -> StepCheck:
+    """Add the check ops for every synced layer of `report` to `graph`, whose C graph holds
+    `graph_def` (the rewritten graph). The ops are written as NodeDefs and imported into the C
+    graph alone, as the session runs that: a Python Operation per node of the graph (what
+    tf.graph_util's import makes) took longer than all the rest. `python_ops`: also make the
+    check's Python Operations, for a caller that fetches or walks them by tf.Graph."""
+    fragment = _Fragment(graph, graph_def)
     before: list[str] = []
     step: list[str] = []
     layers, not_checked = [], []
     reads: dict[str, str] = {}
     snapshots: dict[str, str] = {}
-    with graph.as_default(), tf.name_scope(SCOPE + "/"):
-        for index, row in enumerate(report.layers):
-            if not any(t.x for t in row.tensors):
-                not_checked.append(row.layer)
-                continue
-            towers = []
-            for k, tensors in enumerate(row.tensors):
-                with tf.name_scope(f"layer_{index}/tower_{k}"):
-                    tower = _tower_ops(graph, row, tensors, snapshots)
-                towers.append(tower)
-                step.extend(n for n in (tower.sums, tower.squares, tower.count, tower.mean, tower.variance, tower.largest,
-                                        tower.worst, tower.scale, tower.offset) if isinstance(n, str) and n
-                            and n not in snapshots)
-            updates = []
-            names = {u.node for u in row.moving}
-            for moving in row.moving:
-                op = graph.get_operation_by_name(moving.node)
-                if moving.variable not in reads:
-                    with tf.name_scope(f"read_{len(reads)}"):
-                        reads[moving.variable] = _read(graph, moving.variable)
-                    before.append(reads[moving.variable])
-                updates.append(_Update(moving.node, moving.variable, moving.statistic, moving.tower, _FORMS[op.type],
-                                       op.inputs[1].name, reads[moving.variable], _derived(op, names - {moving.node})))
-                step.append(op.inputs[1].name)
-            layers.append(_Layer(row, tuple(towers), tuple(updates)))
+    for index, row in enumerate(report.layers):
+        if not any(t.x for t in row.tensors):
+            not_checked.append(row.layer)
+            continue
+        towers = []
+        for k, tensors in enumerate(row.tensors):
+            tower = _tower_ops(fragment, f"layer_{index}/tower_{k}", row, tensors, snapshots)
+            towers.append(tower)
+            step.extend(n for n in (tower.sums, tower.squares, tower.count, tower.mean, tower.variance, tower.largest,
+                                    tower.worst, tower.scale, tower.offset) if isinstance(n, str) and n
+                        and n not in snapshots)
+        updates = []
+        names = {u.node for u in row.moving}
+        for moving in row.moving:
+            node = fragment.nodes[moving.node]
+            if moving.variable not in reads:
+                reads[moving.variable] = _read(fragment, f"read_{len(reads)}", moving.variable)
+                before.append(reads[moving.variable])
+            value = _name(node.input[1])
+            updates.append(_Update(moving.node, moving.variable, moving.statistic, moving.tower, _FORMS[node.op],
+                                   value, reads[moving.variable], _derived(fragment.nodes, value, names - {moving.node})))
+            step.append(value)
+        layers.append(_Layer(row, tuple(towers), tuple(updates)))
+    fragment.add_to_graph(python_ops)
     step = list(dict.fromkeys(step))
     after = list(before)
     before.extend(dict.fromkeys(snapshots.values()))
-    return StepCheck(before, step, after, list(report.towers), layers, not_checked, snapshots, unsynced_layers(report))
+    return StepCheck(before, step, after, list(report.towers), layers, not_checked, snapshots, unsynced_layers(report),
+                     fragment.scope)
 
 
 #: A top name scope that names a tower (`tower_0`, `clone_1`, `replica_2`, `gpu_3`).
@@ -258,85 +262,174 @@ def unsynced_layers(report: Report) -> list[tuple[str, str]]:
     return list(found.items())
 
 
-def _tensor(graph: Any, name: str) -> Any:
-    return graph.get_tensor_by_name(name if ":" in name else name + ":0")
+class _Fragment:
+    """The check's NodeDefs under a scope of their own (`SCOPE`, or `SCOPE_<n>` if the graph has
+    it), reading the graph's tensors by name, and what they need to know of those tensors."""
+
+    def __init__(self, graph: Any, graph_def: Any) -> None:
+        from tensorflow.core.framework import graph_pb2
+
+        from bnrewrite.c_graph import operations
+        from bnrewrite.graph import Graph
+        from bnrewrite.graph_edit import Editor
+        from bnrewrite.nodes import Shared
+
+        self.graph = graph
+        self.nodes = {node.name: node for node in graph_def.node}
+        tops = {name.split("/", 1)[0] for name in self.nodes}
+        self.scope = next(s for s in (SCOPE, *(f"{SCOPE}_{n}" for n in range(1, len(tops) + 2))) if s not in tops)
+        self.c_ops = operations(graph)
+        self.versions = graph_def.versions
+        self.editor = Editor(Graph.from_graph_def(graph_pb2.GraphDef()))
+        self.shared = Shared()
+        self._python: dict[str, Any] = {}
+        self.made: dict[str, int] = {}  # placeholder of the check -> its DataType
+
+    def builder(self, scope: str, device: str) -> Any:
+        from bnrewrite.nodes import Builder
+
+        return Builder(self.editor, f"{self.scope}/{scope}", device, self.scope, self.shared)
+
+    def tensor(self, name: str) -> Any:
+        """The graph's tf.Tensor `name` (for its dtype and static shape), through a Python
+        Operation made for its op alone when the graph has none."""
+        op_name, _, index = _name(name).rpartition(":")
+        if op_name not in self._python:
+            try:
+                self._python[op_name] = self.graph.get_operation_by_name(op_name)
+            except KeyError:
+                from tensorflow.python.framework import ops
+
+                self._python[op_name] = ops.Operation._from_c_op(c_op=self.c_ops[op_name], g=self.graph)
+        return self._python[op_name].outputs[int(index)]
+
+    def dtype(self, name: str) -> int:
+        """The base DataType of tensor `name`, of the graph's or one of the check's placeholders."""
+        return self.made.get(_name(name)) or self.tensor(name).dtype.base_dtype.as_datatype_enum
+
+    def add_to_graph(self, python_ops: bool) -> None:
+        from bnrewrite.c_graph import import_fragment
+        from bnrewrite.names import parse_input
+
+        fragment = self.editor.finish().to_graph_def()
+        fragment.versions.CopyFrom(self.versions)
+        made = {node.name for node in fragment.node}
+        inputs = {}
+        for node in fragment.node:
+            for spec in node.input:
+                source, index = parse_input(spec)
+                if source not in made:
+                    inputs[f"{source}:{index}"] = (self.c_ops[source], index)
+        import_fragment(self.graph, fragment.SerializeToString(), inputs, {})
+        if python_ops:
+            self.graph._add_new_tf_operations(compute_devices=False)
 
 
-def _tower_ops(graph: Any, row: LayerRow, tensors: Any, snapshots: dict[str, str]) -> _Tower:
+def _name(tensor: str) -> str:
+    """`op` -> `op:0`; `op:1` as it is."""
+    return tensor if ":" in tensor else f"{tensor}:0"
+
+
+def _tower_ops(fragment: _Fragment, scope: str, row: LayerRow, tensors: Any, snapshots: dict[str, str]) -> _Tower:
     """This tower's check ops: few, as Grappler's time on the first step grows with the nodes.
     `snapshots` gets the placeholders standing for reference variables' reads."""
-    import tensorflow as tf
+    from bnrewrite.nodes import DT_DOUBLE, DT_INT32, DT_INT64, DType
 
-    x = _tensor(graph, tensors.x)
-    scale, offset = (_snapshot(graph, name, snapshots) if name and tensors.y else "" for name in (tensors.scale, tensors.offset))
-    with tf.device(x.device):
-        axes = tf.constant(row.reduce_axes)
-        x64 = tf.cast(x, tf.float64)
-        sums = tf.reduce_sum(x64, axes, keepdims=True)
-        squares = tf.reduce_sum(tf.square(x64), axes, keepdims=True)
-        if x.shape.is_fully_defined() and sums.shape.is_fully_defined():
-            count: str | float = x.shape.num_elements() / sums.shape.num_elements()
-        else:
-            count = (tf.cast(tf.size(x, out_type=tf.int64), tf.float64) / tf.cast(tf.size(sums, out_type=tf.int64), tf.float64)).name
-        largest = worst = ""
-        if tensors.y:
-            channels_last = sums.shape.is_fully_defined() and sums.shape[-1] == sums.shape.num_elements()
+    x = fragment.tensor(tensors.x)
+    scale, offset = (_snapshot(fragment, scope, name, snapshots) if name and tensors.y else "" for name in (tensors.scale, tensors.offset))
+    b = fragment.builder(scope, fragment.nodes[x.op.name].device)
+    dtype = fragment.dtype(tensors.x)
+    axes = b.const("axes", row.reduce_axes)
+    x64 = b.cast("x64", x.name, dtype, DT_DOUBLE)
+    sums = b.reduce_sum("sums", x64, axes, DT_DOUBLE, True)
+    squares = b.reduce_sum("squares", b.unary("Square", "square", x64, DT_DOUBLE), axes, DT_DOUBLE, True)
+    rank = x.shape.rank
+    axes_set = {a % rank for a in row.reduce_axes} if rank else set()
+    kept = [1 if a in axes_set else d for a, d in enumerate(x.shape.as_list())] if rank else []
+    static = bool(kept) and None not in kept  # the shape of the per-channel sums
+    if x.shape.is_fully_defined() and static:
+        count: str | float = float(x.shape.num_elements() / np.prod(kept))
+    else:
+        sizes = [b.cast(f"{what}_size64", b.node("Size", f"{what}_size", [t], T=DType(d), out_type=DType(DT_INT64)),
+                        DT_INT64, DT_DOUBLE) for what, t, d in (("x", x.name, dtype), ("sums", sums, DT_DOUBLE))]
+        count = b.binary("RealDiv", "count", *sizes, DT_DOUBLE)
+    largest = worst = ""
+    if tensors.y:
+        channels_last = static and kept[-1] == int(np.prod(kept))
+        shape = "" if channels_last else b.node("Shape", "sums_shape", [sums], T=DType(DT_DOUBLE), out_type=DType(DT_INT32))
 
-            def channel(name: str, default: float) -> Any:
-                value = tf.cast(_tensor(graph, name), tf.float64) if name else tf.constant(default, tf.float64)
-                return value if channels_last or not name else tf.reshape(value, tf.shape(sums))
+        def channel(name: str, what: str, default: float) -> str:
+            if not name:
+                return b.const(what, default, np.float64)
+            value = b.cast(f"{what}64", name, fragment.dtype(name), DT_DOUBLE)
+            return value if channels_last else b.reshape(f"{what}_per_channel", value, shape, DT_DOUBLE)
 
-            mean, gamma, beta = channel(tensors.mean, 0.0), channel(scale, 1.0), channel(offset, 0.0)
-            gain = tf.math.rsqrt(channel(tensors.variance, 0.0) + row.epsilon) * gamma
-            # x * gain + (beta - mean * gain): in float64 its cancellation stays near 1e-13 even at |mean|/std = 1000
-            y = tf.cast(_tensor(graph, tensors.y), tf.float64)
-            worst = tf.reduce_max(tf.abs(x64 * gain + (beta - mean * gain) - y), axes, keepdims=True).name
-            largest = tf.reduce_max(tf.abs(x64), axes, keepdims=True).name
-    return _Tower(tensors.tower, sums.name, squares.name, count, _tensor(graph, tensors.mean).name,
-                  _tensor(graph, tensors.variance).name, largest, worst, scale, offset)
+        mean, gamma, beta = channel(tensors.mean, "mean", 0.0), channel(scale, "gamma", 1.0), channel(offset, "beta", 0.0)
+        variance = channel(tensors.variance, "variance", 0.0)
+        rstd = b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", variance,
+                                                 b.const("epsilon", row.epsilon, np.float64), DT_DOUBLE), DT_DOUBLE)
+        gain = b.binary("Mul", "gain", rstd, gamma, DT_DOUBLE)
+        # x * gain + (beta - mean * gain): in float64 its cancellation stays near 1e-13 even at |mean|/std = 1000
+        bias = b.binary("Sub", "bias", beta, b.binary("Mul", "mean_gain", mean, gain, DT_DOUBLE), DT_DOUBLE)
+        y_hat = b.binary("AddV2", "y_hat", b.binary("Mul", "x_gain", x64, gain, DT_DOUBLE), bias, DT_DOUBLE)
+        y64 = b.cast("y64", _name(tensors.y), fragment.dtype(tensors.y), DT_DOUBLE)
+        error = b.unary("Abs", "error", b.binary("Sub", "difference", y_hat, y64, DT_DOUBLE), DT_DOUBLE)
+        worst = b.reduce("Max", "worst", error, axes, DT_DOUBLE, True)
+        largest = b.reduce("Max", "largest", b.unary("Abs", "magnitude", x64, DT_DOUBLE), axes, DT_DOUBLE, True)
+    return _Tower(tensors.tower, _name(sums), _name(squares), count if isinstance(count, float) else _name(count),
+                  _name(tensors.mean), _name(tensors.variance), largest and _name(largest), worst and _name(worst),
+                  scale, offset)
 
 
-def _snapshot(graph: Any, name: str, snapshots: dict[str, str]) -> str:
+def _snapshot(fragment: _Fragment, scope: str, name: str, snapshots: dict[str, str]) -> str:
     """`name`, or for a read of a reference variable (whose buffer the step's optimizer may
     update before the check's op reads it) a placeholder fed that variable's value read before
     the step."""
-    import tensorflow as tf
+    from tensorflow.core.framework import attr_value_pb2
 
-    tensor = _tensor(graph, name)
-    source = tensor.op
-    while source.type in ("Identity", "RefIdentity") and source.inputs:
-        source = source.inputs[0].op
-    if source.type not in ("VariableV2", "Variable"):
-        return tensor.name
-    with tf.device(source.device):
-        read = tf.identity(source.outputs[0]).name
-    placeholder = tf.compat.v1.placeholder(tensor.dtype.base_dtype, tensor.shape).name
-    snapshots[placeholder] = read
-    return placeholder
+    from bnrewrite.names import parse_input
+    from bnrewrite.nodes import DType
+
+    source = fragment.nodes[parse_input(name)[0]]
+    while source.op in ("Identity", "RefIdentity") and source.input:
+        source = fragment.nodes[parse_input(source.input[0])[0]]
+    if source.op not in ("VariableV2", "Variable"):
+        return _name(name)
+    tensor = fragment.tensor(name)
+    dtype = DType(tensor.dtype.base_dtype.as_datatype_enum)
+    read = fragment.builder(scope, source.device).node("Identity", "snapshot_read", [source.name], T=dtype)
+    placeholder = fragment.builder(scope, "").node("Placeholder", "snapshot", [], dtype=dtype,
+                                                   shape=attr_value_pb2.AttrValue(shape=tensor.shape.as_proto()))
+    snapshots[_name(placeholder)] = _name(read)
+    fragment.made[_name(placeholder)] = dtype.value
+    return _name(placeholder)
 
 
-def _read(graph: Any, variable: str) -> str:
+def _read(fragment: _Fragment, scope: str, variable: str) -> str:
     """A read of `variable`'s value, placed with it."""
-    import tensorflow as tf
+    from bnrewrite.nodes import DType
 
-    op = graph.get_operation_by_name(variable)
-    with tf.device(op.device):
-        if op.type in ("VarHandleOp", "_VarHandlesOp"):
-            return tf.raw_ops.ReadVariableOp(resource=op.outputs[0], dtype=op.get_attr("dtype")).name
-        return tf.identity(op.outputs[0]).name
+    node = fragment.nodes[variable]
+    b = fragment.builder(scope, node.device)
+    dtype = DType(node.attr["dtype"].type)
+    if node.op in ("VarHandleOp", "_VarHandlesOp"):
+        return _name(b.node("ReadVariableOp", "read", [variable], dtype=dtype))
+    return _name(b.node("Identity", "read", [variable], T=dtype))
 
 
-def _derived(op: Any, others: set[str]) -> bool:
-    """Whether `op`'s value depends on another kept update of its layer (within a few ops)."""
-    frontier, seen = [op.inputs[1].op], set()
+def _derived(nodes: dict[str, Any], value: str, others: set[str]) -> bool:
+    """Whether an update's `value` depends on another kept update of its layer (within a few ops)."""
+    from bnrewrite.names import parse_input
+
+    frontier, seen = [parse_input(value)[0]], set()
     for _ in range(_DERIVED_DEPTH):
         nxt = []
-        for node in frontier:
-            if node.name in others:
+        for name in frontier:
+            if name in others:
                 return True
-            if node.name not in seen:
-                seen.add(node.name)
-                nxt.extend([t.op for t in node.inputs] + list(node.control_inputs))
+            if name not in seen and name in nodes:
+                seen.add(name)
+                nxt.extend(parse_input(spec)[0] for spec in nodes[name].input)
         frontier = nxt
     return False
 

@@ -53,7 +53,7 @@ def checked_step(spec: Spec, result=None, built=None) -> stepcheck.Verdict:
     built = built or build_towers(spec)
     result = result or rewrite_graph(built.graph)
     graph = load_graph(result.graph_def)
-    check = stepcheck.build(graph, result.report)
+    check = stepcheck.build(graph, result.graph_def, result.report, python_ops=True)
     images, labels = make_batches(spec, 1)[0]
     feed = {}
     for k, (x, y) in enumerate(built.inputs):
@@ -102,7 +102,7 @@ def test_reference_variables_are_read_as_the_forward_pass_read_them(tmp_path):
     assert {op.type for op in built.graph.get_operations() if op.type.startswith("Var")} == {"VariableV2"}
     result = rewrite_graph(built.graph)
     graph = load_graph(result.graph_def)
-    snapshots = stepcheck.build(graph, result.report).snapshots
+    snapshots = stepcheck.build(graph, result.graph_def, result.report, python_ops=True).snapshots
     sources = sorted(graph.get_tensor_by_name(read).op.inputs[0].op.name for read in snapshots.values())
     assert sources == sorted(f"net/bn{i}/{v}" for i in (1, 2) for v in ("gamma", "beta") for _ in range(2))
     assert checked_step(Spec(), result=result, built=built).line().startswith("verified 2 layers x 2 towers")
@@ -147,7 +147,7 @@ def test_the_trainers_update_forms(trainer, phrase):
     built = getattr(trainers, trainer)(2, 4)
     result = rewrite_graph(built.graph)
     graph = load_graph(result.graph_def)
-    check = stepcheck.build(graph, result.report)
+    check = stepcheck.build(graph, result.graph_def, result.report, python_ops=True)
     rng = np.random.default_rng(0)
     feed = {}
     for images, labels in built.inputs:
@@ -322,7 +322,7 @@ def test_channels_whose_mean_is_near_zero_or_far_from_it_pass(means):
         init = tf1.global_variables_initializer()
     result = rewrite_graph(graph)
     shadow = load_graph(result.graph_def)
-    check = stepcheck.build(shadow, result.report)
+    check = stepcheck.build(shadow, result.graph_def, result.report, python_ops=True)
     x = np.random.default_rng(0).standard_normal([16, 4, 4, 2])
     x = (x - x.mean(axis=(0, 1, 2)) + means).astype(np.float32)  # std 1
     feed = {inputs[k].name: half for k, half in enumerate(np.split(x, 2))}

@@ -38,7 +38,7 @@ def session(graph_def: tf1.GraphDef, report, towers: int, checked: bool) -> tupl
     graph = tf.Graph()
     with graph.as_default():
         tf.graph_util.import_graph_def(graph_def, name="")
-    check = stepcheck.build(graph, report) if checked else None
+    check = stepcheck.build(graph, graph_def, report, python_ops=True) if checked else None
     config = tf1.ConfigProto(device_count={"CPU": towers})
     sess = tf1.Session(graph=graph, config=config)
     sess.run("init")

@@ -117,9 +117,9 @@ class Recorder:
         self.reads = 0.0
         evaluate, read = stepcheck.StepCheck.evaluate, first_step._read
 
-        def recorded_evaluate(check: stepcheck.StepCheck, before: list, step: list, after: list) -> Any:
+        def recorded_evaluate(check: stepcheck.StepCheck, before: list, step: list, after: list, *ran: Any) -> Any:
             self.fetched = tuple(sum(np.asarray(v).nbytes for v in values) for values in (before, step, after))
-            return evaluate(check, before, step, after)
+            return evaluate(check, before, step, after, *ran)
 
         def timed_read(session: tf1.Session, outputs: list) -> list:
             start = time.perf_counter()

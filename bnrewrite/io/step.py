@@ -51,8 +51,8 @@ def run_step(entry: Entry, report: Report, checkpoint: str | None = None, batch:
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.import_graph_def(graph_def, name="")
-    check = stepcheck.build(graph, report)
-    ops = _targets(graph, report, targets)
+    check = stepcheck.build(graph, graph_def, report, python_ops=True)
+    ops = _targets(graph, report, targets, check.scope)
     ran = {op.name for op in _upstream(graph, ops)} & {u.node for row in report.layers for u in row.moving}
     fetches = check.fetches(ran)
     needed = _upstream(graph, ops + [graph.get_tensor_by_name(n).op for n in fetches + check.before])
@@ -70,9 +70,9 @@ def run_step(entry: Entry, report: Report, checkpoint: str | None = None, batch:
     return check.evaluate(before, values, after, ran)
 
 
-def _targets(graph: Any, report: Report, names: list[str] | None) -> list[Any]:
-    """The ops one training step runs: `names`, else the ops nothing reads downstream of a kept
-    moving-average update or a gradient of a synced layer."""
+def _targets(graph: Any, report: Report, names: list[str] | None, scope: str) -> list[Any]:
+    """The ops one training step runs: `names`, else the ops nothing but the check (under
+    `scope`) reads downstream of a kept moving-average update or a gradient of a synced layer."""
     if names:
         try:
             return [graph.get_operation_by_name(n.split(":")[0]) for n in names]
@@ -88,7 +88,7 @@ def _targets(graph: Any, report: Report, names: list[str] | None) -> list[Any]:
     sinks = []
     while frontier:
         op = frontier.pop()
-        after = [r for r in readers.get(op.name, []) if not r.name.startswith(stepcheck.SCOPE + "/")]
+        after = [r for r in readers.get(op.name, []) if not r.name.startswith(f"{scope}/")]
         if not after:
             sinks.append(op)
         for reader in after:
