@@ -1,6 +1,7 @@
 """Moments over other axes: the legacy layer on a 2-D input (moments over the batch axis
-only), against the one-device oracle; tf.nn.weighted_moments is reported as skipped; a
-moments site knows the scale and offset variables of the normalization it feeds."""
+only), against the one-device oracle, also with towers of unequal static batch sizes;
+tf.nn.weighted_moments is reported as skipped; a moments site knows the scale and offset
+variables of the normalization it feeds."""
 
 import numpy as np
 import pytest
@@ -14,15 +15,17 @@ tf1 = tf.compat.v1
 FEATURES, UNITS, STEPS, B = 5, 6, 3, 4
 
 
-def _build(k: int, batch: int, weighted: bool = False) -> tf.Graph:
-    """K towers: x -> dense -> legacy batch norm (2-D: unfused, axes [0]) -> squared loss."""
+def _build(sizes: list[int], weighted: bool = False) -> tf.Graph:
+    """A tower per size (its batch): x -> dense -> legacy batch norm (2-D: unfused, axes [0]) ->
+    squared loss, each tower's weighted by its share so that their average is the mean over all."""
+    k, total = len(sizes), sum(sizes)
     rng = np.random.default_rng(0)
     kernel0 = rng.normal(size=(FEATURES, UNITS)).astype(np.float32)
     graph = tf.Graph()
     with graph.as_default():
         opt = tf1.train.MomentumOptimizer(0.1, 0.9)
         grads, losses = [], []
-        for i in range(k):
+        for i, batch in enumerate(sizes):
             with tf.device(f"/cpu:{i}"), tf.name_scope(f"tower_{i}"):
                 x = tf1.placeholder(tf.float32, [batch, FEATURES], name="x")
                 with tf1.variable_scope("net", reuse=tf1.AUTO_REUSE):
@@ -32,7 +35,8 @@ def _build(k: int, batch: int, weighted: bool = False) -> tf.Graph:
                         y = tf.nn.batch_normalization(h, mean, var, None, None, 1e-3)
                     else:
                         y = batch_normalization(h, training=True, momentum=0.9)
-                loss = tf.reduce_mean(tf.square(y - tf.range(UNITS, dtype=tf.float32)), name="loss")
+                loss = tf.multiply(tf.reduce_sum(tf.square(y - tf.range(UNITS, dtype=tf.float32))), k / (total * UNITS),
+                                   name="loss")
                 losses.append(loss)
                 grads.append(opt.compute_gradients(loss))
         with tf.device("/cpu:0"):
@@ -43,7 +47,7 @@ def _build(k: int, batch: int, weighted: bool = False) -> tf.Graph:
     return graph
 
 
-def _train(graph_like, k: int, data: list) -> dict:
+def _train(graph_like, sizes: list[int], data: list) -> dict:
     graph = graph_like if isinstance(graph_like, tf.Graph) else tf.Graph()
     if graph is not graph_like:
         with graph.as_default():
@@ -52,10 +56,10 @@ def _train(graph_like, k: int, data: list) -> dict:
     with graph.as_default():
         reads = {name: tf1.raw_ops.ReadVariableOp(resource=graph.get_tensor_by_name(f"{name}:0"), dtype=tf.float32) for name in names}
     losses = []
-    with tf1.Session(graph=graph, config=session_config(k)) as sess:
+    with tf1.Session(graph=graph, config=session_config(len(sizes))) as sess:
         sess.run("init")
         for x in data:
-            feed = {f"tower_{i}/x:0": part for i, part in enumerate(np.split(x, k))}
+            feed = {f"tower_{i}/x:0": part for i, part in enumerate(np.split(x, np.cumsum(sizes)[:-1]))}
             losses.append(sess.run(["train_op", "total_loss:0"], feed)[1])
         values = sess.run(reads)
     values["loss"] = np.array(losses)
@@ -72,18 +76,29 @@ def _error(got: dict, want: dict) -> float:
 def test_legacy_layer_on_2d_input(k):
     rng = np.random.default_rng(1)
     data = [(rng.normal(size=(k * B, FEATURES)) * np.repeat(1 + np.arange(k), B)[:, None]).astype(np.float32) for _ in range(STEPS)]
-    graph = _build(k, B)
+    _check_oracle([B] * k, data)
+
+
+def test_towers_of_unequal_static_sizes():
+    """Towers holding 2 and 6 examples (static shapes): each tower's local count weighs its
+    gradients (the backward once counted 1 per tower, right only for equal towers)."""
+    rng = np.random.default_rng(2)
+    _check_oracle([2, 6], [(rng.normal(size=(8, FEATURES)) * 3 + 1).astype(np.float32) for _ in range(STEPS)])
+
+
+def _check_oracle(sizes: list[int], data: list) -> None:
+    graph = _build(sizes)
     result = rewrite_graph(graph, backend="collective")
     assert [row.data_format for row in result.report.layers] == ["axes=0"]
-    want = _train(_build(1, k * B), 1, data)
-    synced, unsynced = _error(_train(result.graph_def, k, data), want), _error(_train(graph, k, data), want)
-    print(f"2-D legacy K={k}: synced {synced:.2e}, unsynced {unsynced:.2e}")
+    want = _train(_build([sum(sizes)]), [sum(sizes)], data)
+    synced, unsynced = _error(_train(result.graph_def, sizes, data), want), _error(_train(graph, sizes, data), want)
+    print(f"2-D legacy, towers of {sizes}: synced {synced:.2e}, unsynced {unsynced:.2e}")
     assert unsynced > 1e-2
     assert synced < 2e-4
 
 
 def test_weighted_moments_are_reported_as_skipped():
-    graph = _build(2, B, weighted=True)
+    graph = _build([B, B], weighted=True)
     with pytest.raises(Exception, match="no batch-norm op found"):
         rewrite_graph(graph)
     from bnrewrite.graph import Graph
