@@ -9,7 +9,9 @@
 * update_ops: the towers' updates put in UPDATE_OPS, the train op under
   `tf.control_dependencies(UPDATE_OPS)`.
 * sequential: a Sequential with `input_shape=` (built at construction), called per tower.
-* unfused, renorm: the functional model with `fused=False` / `renorm=True` batch norm.
+* unfused, renorm: the functional model with `fused=False` / `renorm=True` batch norm;
+  unfused_any_batch: unfused, fed through placeholders of unknown batch size (the Means' gradients
+  then take the incoming gradient in by a BroadcastTo).
 * float16: the functional model under tf_keras' 'mixed_float16' policy.
 * mobilenet: tf_keras.applications.MobileNetV2 (alpha 0.35, 32x32, no weights) per tower.
 * multi_gpu: the `keras.utils.multi_gpu_model` pattern (Keras <= 2.3): slice the batch with
@@ -45,7 +47,7 @@ from tf_keras.src import backend  # noqa: E402
 
 tf1 = tf.compat.v1
 CASES = ("functional", "learning_phase", "cond_v1", "set_learning_phase", "update_ops", "sequential", "unfused",
-         "renorm", "float16", "mobilenet", "multi_gpu", "mirrored_fit")
+         "unfused_any_batch", "renorm", "float16", "mobilenet", "multi_gpu", "mirrored_fit")
 STEPS, CLASSES = 3, 3
 
 
@@ -58,7 +60,7 @@ def _model(case: str) -> keras.Model:
     if case == "mobilenet":
         return keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=CLASSES,
                                               classifier_activation=None)
-    options = {"unfused": {"fused": False}, "renorm": {"renorm": True}}.get(case, {})
+    options = {"unfused": {"fused": False}, "unfused_any_batch": {"fused": False}, "renorm": {"renorm": True}}.get(case, {})
     layers = keras.layers
     if case in ("sequential", "mirrored_fit"):
         return keras.Sequential([
@@ -116,8 +118,9 @@ def _per_tower(case: str, towers: int, batch: int, images: np.ndarray, targets: 
     model = _model(case)
     session = _session(towers)
     image = _image(case)
-    x = tf1.placeholder(tf.float32, [towers * batch, image, image, 3], name="images")
-    y = tf1.placeholder(tf.float32, [towers * batch, CLASSES], name="targets")
+    rows = None if case == "unfused_any_batch" else towers * batch
+    x = tf1.placeholder(tf.float32, [rows, image, image, 3], name="images")
+    y = tf1.placeholder(tf.float32, [rows, CLASSES], name="targets")
     optimizer = tf1.train.GradientDescentOptimizer(0.002 if case == "mobilenet" else 0.1)
     grads, updates = [], []
     for i in range(towers):
