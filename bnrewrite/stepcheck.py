@@ -206,6 +206,7 @@ def build(graph: Any, graph_def: Any, report: Report, *, python_ops: bool = Fals
     layers, not_checked = [], []
     reads: dict[str, str] = {}
     snapshots: dict[str, str] = {}
+    sites = {site for row in report.layers for site in row.sites}
     for index, row in enumerate(report.layers):
         if not any(t.x for t in row.tensors):
             not_checked.append(row.layer)
@@ -226,7 +227,8 @@ def build(graph: Any, graph_def: Any, report: Report, *, python_ops: bool = Fals
                 before.append(reads[moving.variable])
             value = _name(node.input[1])
             updates.append(_Update(moving.node, moving.variable, moving.statistic, moving.tower, _FORMS[node.op],
-                                   value, reads[moving.variable], _derived(fragment.nodes, value, names - {moving.node})))
+                                   value, reads[moving.variable],
+                                   _derived(fragment.nodes, value, names - {moving.node}, sites)))
             step.append(value)
         layers.append(_Layer(row, tuple(towers), tuple(updates)))
     fragment.add_to_graph(python_ops)
@@ -417,11 +419,12 @@ def _read(fragment: _Fragment, scope: str, variable: str) -> str:
     return _name(b.node("Identity", "read", [variable], T=dtype))
 
 
-def _derived(nodes: dict[str, Any], value: str, others: set[str]) -> bool:
-    """Whether an update's `value` depends on another kept update of its layer (within a few ops)."""
+def _derived(nodes: dict[str, Any], value: str, others: set[str], sites: set[str]) -> bool:
+    """Whether an update's `value` depends on another kept update of its layer (within a few
+    ops). The walk stops at batch-norm sites: what lies above them (the network) holds none."""
     from bnrewrite.names import parse_input
 
-    frontier, seen = [parse_input(value)[0]], set()
+    frontier, seen = [parse_input(value)[0]], set(sites)
     for _ in range(_DERIVED_DEPTH):
         nxt = []
         for name in frontier:
