@@ -212,8 +212,11 @@ def build(graph: Any, graph_def: Any, report: Report, *, python_ops: bool = Fals
             not_checked.append(row.layer)
             continue
         towers = []
+        affine: dict[str, tuple[str, str]] = {}  # sync group's first tower -> its gain and bias
+        group_of = {t: group[0] for group in row.sync_groups or [row.towers] for t in group}
         for k, tensors in enumerate(row.tensors):
-            tower = _tower_ops(fragment, f"layer_{index}/tower_{k}", row, tensors, snapshots)
+            tower = _tower_ops(fragment, f"layer_{index}/tower_{k}", row, tensors, snapshots,
+                               affine, group_of.get(tensors.tower, tensors.tower))
             towers.append(tower)
             step.extend(n for n in (tower.sums, tower.squares, tower.count, tower.mean, tower.variance, tower.largest,
                                     tower.worst, tower.scale, tower.offset) if isinstance(n, str) and n
@@ -332,9 +335,12 @@ def _name(tensor: str) -> str:
     return tensor if ":" in tensor else f"{tensor}:0"
 
 
-def _tower_ops(fragment: _Fragment, scope: str, row: LayerRow, tensors: Any, snapshots: dict[str, str]) -> _Tower:
+def _tower_ops(fragment: _Fragment, scope: str, row: LayerRow, tensors: Any, snapshots: dict[str, str],
+               affine: dict[str, tuple[str, str]], group: str) -> _Tower:
     """This tower's check ops: few, as Grappler's time on the first step grows with the nodes.
-    `snapshots` gets the placeholders standing for reference variables' reads."""
+    `snapshots` gets the placeholders standing for reference variables' reads. The output's
+    per-channel gain and bias come from the global moments of the first tower of the sync group
+    (`group`) and serve all its towers (`affine`): each tower's y is checked against them."""
     from bnrewrite.nodes import DT_DOUBLE, DT_INT32, DT_INT64, DType
 
     x = fragment.tensor(tensors.x)
@@ -357,22 +363,11 @@ def _tower_ops(fragment: _Fragment, scope: str, row: LayerRow, tensors: Any, sna
         count = b.binary("RealDiv", "count", *sizes, DT_DOUBLE)
     largest = worst = ""
     if tensors.y:
-        channels_last = static and kept[-1] == int(np.prod(kept))
-        shape = "" if channels_last else b.node("Shape", "sums_shape", [sums], T=DType(DT_DOUBLE), out_type=DType(DT_INT32))
-
-        def channel(name: str, what: str, default: float) -> str:
-            if not name:
-                return b.const(what, default, np.float64)
-            value = b.cast(f"{what}64", name, fragment.dtype(name), DT_DOUBLE)
-            return value if channels_last else b.reshape(f"{what}_per_channel", value, shape, DT_DOUBLE)
-
-        mean, gamma, beta = channel(tensors.mean, "mean", 0.0), channel(scale, "gamma", 1.0), channel(offset, "beta", 0.0)
-        variance = channel(tensors.variance, "variance", 0.0)
-        rstd = b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", variance,
-                                                 b.const("epsilon", row.epsilon, np.float64), DT_DOUBLE), DT_DOUBLE)
-        gain = b.binary("Mul", "gain", rstd, gamma, DT_DOUBLE)
+        if group not in affine:
+            channels_last = static and kept[-1] == int(np.prod(kept))
+            affine[group] = _affine(fragment, b, row, tensors, scale, offset, "" if channels_last else sums)
+        gain, bias = affine[group]
         # x * gain + (beta - mean * gain): in float64 its cancellation stays near 1e-13 even at |mean|/std = 1000
-        bias = b.binary("Sub", "bias", beta, b.binary("Mul", "mean_gain", mean, gain, DT_DOUBLE), DT_DOUBLE)
         y_hat = b.binary("AddV2", "y_hat", b.binary("Mul", "x_gain", x64, gain, DT_DOUBLE), bias, DT_DOUBLE)
         y64 = b.cast("y64", _name(tensors.y), fragment.dtype(tensors.y), DT_DOUBLE)
         error = b.unary("Abs", "error", b.binary("Sub", "difference", y_hat, y64, DT_DOUBLE), DT_DOUBLE)
@@ -381,6 +376,26 @@ def _tower_ops(fragment: _Fragment, scope: str, row: LayerRow, tensors: Any, sna
     return _Tower(tensors.tower, _name(sums), _name(squares), count if isinstance(count, float) else _name(count),
                   _name(tensors.mean), _name(tensors.variance), largest and _name(largest), worst and _name(worst),
                   scale, offset)
+
+
+def _affine(fragment: _Fragment, b: Any, row: LayerRow, tensors: Any, scale: str, offset: str, sums: str) -> tuple[str, str]:
+    """(gain, bias) in float64, per channel: gamma / sqrt(variance + epsilon) and beta - mean * gain
+    from the tower's global moments; shaped as `sums` (keep-dims sums of x) unless that is ""
+    (channels last: [C] vectors broadcast as they are)."""
+    from bnrewrite.nodes import DT_DOUBLE, DT_INT32, DType
+
+    shape = b.node("Shape", "sums_shape", [sums], T=DType(DT_DOUBLE), out_type=DType(DT_INT32)) if sums else ""
+
+    def channel(name: str, what: str) -> str:
+        value = b.cast(f"{what}64", name, fragment.dtype(name), DT_DOUBLE)
+        return b.reshape(f"{what}_per_channel", value, shape, DT_DOUBLE) if shape else value
+
+    rstd = b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", channel(tensors.variance, "variance"),
+                                             b.const("epsilon", row.epsilon, np.float64), DT_DOUBLE), DT_DOUBLE)
+    gain = b.binary("Mul", "gain", rstd, channel(scale, "gamma"), DT_DOUBLE) if scale else rstd
+    mean_gain = b.binary("Mul", "mean_gain", channel(tensors.mean, "mean"), gain, DT_DOUBLE)
+    bias = b.binary("Sub", "bias", channel(offset, "beta"), mean_gain, DT_DOUBLE) if offset else b.unary("Neg", "bias", mean_gain, DT_DOUBLE)
+    return gain, bias
 
 
 def _snapshot(fragment: _Fragment, scope: str, name: str, snapshots: dict[str, str]) -> str:
