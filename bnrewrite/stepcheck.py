@@ -5,7 +5,7 @@ statistics and moved each moving statistic exactly once toward them.
 graph; they share no op with the rewrite's and write no variable. Per layer and tower they compute, on the
 tower's device, float64 per-channel sums of x and x^2 (from the layer's input), max |x|, and
 max |y - y_hat| with y_hat computed in float64 from x, gamma, beta, epsilon and the global
-moments the rewrite made; the output's figure is that over the channel's largest term. The caller fetches
+moments the rewrite made (those of the sync group's first tower, for all its towers); the output's figure is that over the channel's largest term. The caller fetches
 `before` (moving statistics; reference variables' gamma and beta) in a read-only run, `step`
 with its real training step in the same run (fed `feed(before values)`), and `after` in a
 read-only run; `evaluate` then checks in numpy (float64) that the rewrite's
