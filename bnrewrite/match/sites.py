@@ -162,6 +162,8 @@ def _inference_in_functions(graph: Graph) -> list[str]:
 
 
 _GRADIENTS_SCOPE = re.compile(r"gradients(_\d+)?$")
+#: tf.GradientTape names a gradient's ops after the forward op's scope, under this one.
+_TAPE_SCOPE = re.compile(r"(?:^|/)gradient_tape(?:_\d+)?/")
 
 
 @dataclass
@@ -235,6 +237,10 @@ def _moments_site(graph: Graph, variance: object, gradients: _MeanGradients) -> 
             return None, (f"a gradient of {op} takes the incoming gradient in by ops bnrewrite does not know (no "
                           f"Reshape or BroadcastTo under {sorted(gradients.scopes[op])[0]}); left unsynced, as "
                           "synchronizing its forward pass alone would train it wrongly")
+    if not grads and any(_TAPE_SCOPE.search(reader) for reader in graph.consumers.get(x, ())):
+        return None, (f"the gradient of {mean} was built by tf.GradientTape (ops under gradient_tape/ read {x}), "
+                      "whose ops bnrewrite cannot yet tell apart from other gradients; left unsynced, as synchronizing "
+                      "its forward pass alone would train it wrongly")
     dtype = int(_attr(mean_node, "T", types_pb2.DT_FLOAT))
     scale_var, offset_var = _affine_variables(graph, variance.name)  # type: ignore[attr-defined]
     site = Site(
