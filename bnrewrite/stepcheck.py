@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from bnrewrite.errors import PassError, UnsyncedLayerError
+from bnrewrite.names import parse_input
 from bnrewrite.report import LayerRow, Report
 
 SCOPE = "bnrewrite_verify"
@@ -288,7 +289,6 @@ class _Fragment:
         self.editor = Editor(Graph.from_graph_def(graph_pb2.GraphDef()))
         self.shared = Shared()
         self._python: dict[str, Any] = {}
-        self.made: dict[str, int] = {}  # placeholder of the check -> its DataType
 
     def builder(self, scope: str, device: str) -> Any:
         from bnrewrite.nodes import Builder
@@ -298,7 +298,7 @@ class _Fragment:
     def tensor(self, name: str) -> Any:
         """The graph's tf.Tensor `name` (for its dtype and static shape), through a Python
         Operation made for its op alone when the graph has none."""
-        op_name, _, index = _name(name).rpartition(":")
+        op_name, index = parse_input(name)
         if op_name not in self._python:
             try:
                 self._python[op_name] = self.graph.get_operation_by_name(op_name)
@@ -306,15 +306,17 @@ class _Fragment:
                 from tensorflow.python.framework import ops
 
                 self._python[op_name] = ops.Operation._from_c_op(c_op=self.c_ops[op_name], g=self.graph)
-        return self._python[op_name].outputs[int(index)]
+        return self._python[op_name].outputs[index]
 
     def dtype(self, name: str) -> int:
         """The base DataType of tensor `name`, of the graph's or one of the check's placeholders."""
-        return self.made.get(_name(name)) or self.tensor(name).dtype.base_dtype.as_datatype_enum
+        op_name = parse_input(name)[0]
+        if op_name in self.editor:
+            return self.editor.node(op_name).attr["dtype"].type
+        return self.tensor(name).dtype.base_dtype.as_datatype_enum
 
     def add_to_graph(self, python_ops: bool) -> None:
         from bnrewrite.c_graph import import_fragment
-        from bnrewrite.names import parse_input
 
         fragment = self.editor.finish().to_graph_def()
         fragment.versions.CopyFrom(self.versions)
@@ -404,7 +406,6 @@ def _snapshot(fragment: _Fragment, scope: str, name: str, snapshots: dict[str, s
     the step."""
     from tensorflow.core.framework import attr_value_pb2
 
-    from bnrewrite.names import parse_input
     from bnrewrite.nodes import DType
 
     source = fragment.nodes[parse_input(name)[0]]
@@ -418,7 +419,6 @@ def _snapshot(fragment: _Fragment, scope: str, name: str, snapshots: dict[str, s
     placeholder = fragment.builder(scope, "").node("Placeholder", "snapshot", [], dtype=dtype,
                                                    shape=attr_value_pb2.AttrValue(shape=tensor.shape.as_proto()))
     snapshots[_name(placeholder)] = _name(read)
-    fragment.made[_name(placeholder)] = dtype.value
     return _name(placeholder)
 
 
@@ -437,8 +437,6 @@ def _read(fragment: _Fragment, scope: str, variable: str) -> str:
 def _derived(nodes: dict[str, Any], value: str, others: set[str], sites: set[str]) -> bool:
     """Whether an update's `value` depends on another kept update of its layer (within a few
     ops). The walk stops at batch-norm sites: what lies above them (the network) holds none."""
-    from bnrewrite.names import parse_input
-
     frontier, seen = [parse_input(value)[0]], set(sites)
     for _ in range(_DERIVED_DEPTH):
         nxt = []
