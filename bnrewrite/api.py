@@ -394,6 +394,12 @@ def _report(graph: Graph, plan: Plan, records: list[PassRecord], census: Census,
          "control_edges": r.control_edges, "seconds": round(r.seconds, 4)}
         for r in records
     ]
+    applied = plan.towers.applications
+    if applied:
+        more = f" and {len(applied) - 3} more" if len(applied) > 3 else ""
+        report.notes.append(
+            f"{len(applied)} layer(s) applied several times in each tower, each application synchronized with its "
+            f"counterparts in the other towers: {'; '.join(applied[:3])}{more}")
     if any(not g.sites[0].grads for g in plan.groups):
         report.notes.append("some synced layers have no gradient op in the graph: only their forward pass is synchronized")
     return report

@@ -6,8 +6,8 @@ rewritten graph's effects are compared with the input's:
 
 1. every target (a node nothing reads, or one that waits on an update: train ops, groups)
    still runs every writer of a variable it ran, but those removed as duplicates, and, for
-   the moving averages the towers share, exactly one of the towers' updates (a target may
-   come to run more: synchronized towers wait on each other);
+   the moving averages the towers share, exactly one of the towers' updates per layer group
+   (a target may come to run more: synchronized towers wait on each other);
 2. every inserted all-reduce has one member per tower of its group, and a step (a target
    that ran every tower's batch-norm gradients: the train op) runs every member of every
    all-reduce (a member left out hangs the step);
@@ -101,14 +101,19 @@ def gradient_ops(plan: Plan) -> list[str]:
     return [g for group in plan.groups for site in group.sites for g in (*site.grads, *site.variance_grads)]
 
 
-def shared_statistics(plan: Plan) -> dict[str, set[str]]:
-    """Moving-average variables that several towers' sites update -> those updates."""
-    writers_of: dict[str, set[str]] = {}
-    for group in plan.groups:
+def shared_statistics(plan: Plan) -> dict[str, list[set[str]]]:
+    """Moving-average variables that several towers' sites of one layer group update -> the
+    updates of each such group (a layer each tower applies twice: two groups, two updates)."""
+    writers_of: dict[tuple[int, str], set[str]] = {}
+    for layer, group in enumerate(plan.groups):
         for site in group.sites:
             for update in site.updates:
-                writers_of.setdefault(update.variable, set()).add(update.node)
-    return {v: nodes for v, nodes in writers_of.items() if len(nodes) > 1}
+                writers_of.setdefault((layer, update.variable), set()).add(update.node)
+    shared: dict[str, list[set[str]]] = {}
+    for (_, variable), nodes in writers_of.items():
+        if len(nodes) > 1:
+            shared.setdefault(variable, []).append(nodes)
+    return shared
 
 
 def check_meaning(before: Effects, after_graph: Graph, plan: Plan, removed: set[str]) -> None:
@@ -130,10 +135,11 @@ def check_meaning(before: Effects, after_graph: Graph, plan: Plan, removed: set[
             if gone:
                 wrong.append(f"{target} no longer runs {', '.join(sorted(gone)[:_SHOWN])}, which update(s) {variable}")
             elif variable in shared and variable not in elsewhere:
-                count = len(runs & shared[variable])
-                if count > 1 or not count and was & shared[variable]:
-                    wrong.append(f"{target} runs {count} of the towers' updates of {variable} per step")
-    _fail_if("every target runs what it ran before and one update per shared moving average", wrong)
+                for nodes in shared[variable]:
+                    count = len(runs & nodes)
+                    if count > 1 or not count and was & nodes:
+                        wrong.append(f"{target} runs {count} of the towers' updates of {variable} per step")
+    _fail_if("every target runs what it ran before and one update per shared moving average and layer group", wrong)
     waits = [f"{g} now waits on updates of {', '.join(sorted(after.gradient_waits[g]))}"
              for g, was in before.gradient_waits.items() if not was and after.gradient_waits.get(g)]
     _fail_if("a batch-norm gradient that waited on no update waits on none", waits)

@@ -5,3 +5,9 @@ both need them; defining them here keeps every import pointing down the layers.
 """
 
 IF_OPS = frozenset({"If", "StatelessIf"})
+#: Ops whose outputs bring a step's data in: input pipelines, and placeholders.
+INPUT_PIPELINE_OPS = frozenset({
+    "IteratorGetNext", "IteratorGetNextSync", "QueueDequeue", "QueueDequeueV2", "QueueDequeueMany",
+    "QueueDequeueManyV2", "QueueDequeueUpTo", "QueueDequeueUpToV2",
+})
+DATA_SOURCE_OPS = INPUT_PIPELINE_OPS | frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})

@@ -499,17 +499,18 @@ def test_in_place_interrupted_anywhere_leaves_the_input_as_it_was(base, kind):
     total, _ = _interrupted_at(_copy(original), 0, "raise")
     points = sorted({*range(1, total, max(1, total // 40)), *range(max(1, total - 60), total + 1)})
     before = original.SerializeToString(deterministic=True)
-    interrupted = 0
+    interrupted, completed = 0, []
     for n in points:
         for how in ("raise", "signal") if n > total - 60 else ("raise",):
             message = _copy(original)
-            _, stopped = _interrupted_at(message, n, how)
+            calls, stopped = _interrupted_at(message, n, how)
             if stopped:
                 interrupted += 1
                 assert message.SerializeToString(deterministic=True) == before, (n, how)
             else:
+                completed.append((n, how, calls))
                 assert message.SerializeToString(deterministic=True) != before
-    assert interrupted >= len(points)
+    assert interrupted >= len(points), (total, completed)
 
 
 @contextlib.contextmanager

@@ -21,65 +21,18 @@ import tensorflow as tf
 
 from bnrewrite import TowerMismatchError, rewrite_graph
 from bnrewrite.cli import main
+from script_oracle import ROOT, judge, run_both
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "keras_towers.py")
 SMALL = ("functional", "learning_phase", "cond_v1", "set_learning_phase", "update_ops", "sequential", "unfused",
          "unfused_any_batch", "renorm", "float16", "multi_gpu", "mirrored_fit")
-#: Below these a difference is rounding whatever the floor (float32: tens of ulps; float16: ten ulps).
-ROUNDING = {"float16": 1e-2}
 tf1 = tf.compat.v1
 
 
-def _errors(got, expected) -> dict[str, float]:
-    """Per quantity, max |got - expected| / max(max |expected|, 1e-3)."""
-    assert sorted(got.files) == sorted(expected.files)
-    return {k: float(np.abs(got[k].astype(np.float64) - expected[k]).max() / max(np.abs(expected[k]).max(), 1e-3))
-            for k in expected.files}
-
-
-def _judge(case: str, directory: str) -> str:
-    """Assert the synchronized run lies within the noise floor of the one-device run, quantity by
-    quantity (5 floors) and over all (2), and that the towers as built lie far outside (5)."""
-    out, ref = os.path.join(directory, "run"), os.path.join(directory, "ref")
-    with np.load(os.path.join(ref, f"{case}.one.npz")) as one:
-        with np.load(os.path.join(out, f"{case}.npz")) as run:
-            synced = _errors(run, one)
-        with np.load(os.path.join(ref, f"{case}.perturbed.npz")) as perturbed:
-            floor = _errors(perturbed, one)
-        with np.load(os.path.join(ref, f"{case}.towers.npz")) as towers:
-            apart = _errors(towers, one)
-    rounding = ROUNDING.get(case, 1e-6)
-    over = {k: (synced[k], floor[k]) for k in floor if synced[k] > 5 * max(floor[k], rounding)}
-    assert not over, f"{case}: beyond 5 noise floors: {over}"
-    total = {name: float(np.linalg.norm(list(errors.values()))) for name, errors in
-             (("synced", synced), ("floor", floor), ("apart", apart))}
-    bound = max(total["floor"], rounding)
-    assert total["synced"] <= 2 * bound and total["apart"] >= 5 * bound, (case, total)
-    return (f"{case}: {max(synced.values()):.1e} from one device (noise floor {max(floor.values()):.1e}), "
-            f"towers as built {max(apart.values()):.2f}")
-
-
-def _run_both(directory, cases: tuple[str, ...]) -> str:
-    """The script under `bnrewrite run` and its references under python, side by side; run's stderr."""
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT}
-    for name in ("run", "ref"):
-        os.makedirs(os.path.join(directory, name))
-    common = dict(cwd=str(directory), env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                  stdin=subprocess.DEVNULL)
-    run = subprocess.Popen([sys.executable, "-m", "bnrewrite", "run", SCRIPT, "run", *cases], **common)
-    ref = subprocess.Popen([sys.executable, SCRIPT, "ref", *cases, "--reference"], **common)
-    _, run_err = run.communicate(timeout=900)
-    _, ref_err = ref.communicate(timeout=900)
-    assert ref.returncode == 0, ref_err[-3000:]
-    assert run.returncode == 0, run_err[-3000:]
-    return run_err
-
-
 def test_keras_tower_trainers_train_like_one_device(tmp_path):
-    err = _run_both(tmp_path, SMALL)
+    err = run_both(SCRIPT, tmp_path, SMALL)
     for case in SMALL:
-        print(_judge(case, str(tmp_path)))
+        print(judge(case, str(tmp_path)))
     lines = [line for line in err.splitlines() if line.startswith("bnrewrite:")]
     synced = [line for line in lines if "2 batch-norm layer(s) synchronized across 2 towers (" in line and "CPU:1" in line]
     assert len(synced) == len(SMALL), lines
@@ -88,8 +41,8 @@ def test_keras_tower_trainers_train_like_one_device(tmp_path):
 
 
 def test_mobilenet_v2_per_tower_trains_like_one_device(tmp_path):
-    err = _run_both(tmp_path, ("mobilenet",))
-    print(_judge("mobilenet", str(tmp_path)))
+    err = run_both(SCRIPT, tmp_path, ("mobilenet",))
+    print(judge("mobilenet", str(tmp_path)))
     assert any("52 batch-norm layer(s) synchronized across 2 towers" in line for line in err.splitlines()), err[-2000:]
 
 

@@ -143,48 +143,6 @@ def test_convert_refuses_them_with_the_reason_and_tower_by_scope_overrides(tmp_p
     assert moved > 1e-3
 
 
-def _gan_towers(towers: int = 2) -> tf.Graph:
-    """A multi-GPU GAN trainer: in every tower (/cpu:k) a generator and a discriminator applied to
-    real and to generated images, per-tower gradients averaged and applied once."""
-    tf1, layers = tf.compat.v1, tf.compat.v1.layers
-    graph = tf.Graph()
-    with graph.as_default():
-        opt = tf1.train.AdamOptimizer(1e-3)
-        grads = []
-        for k in range(towers):
-            with tf.device(f"/cpu:{k}"), tf.name_scope(f"tower_{k}"):
-                real = tf1.placeholder(tf.float32, [2, 6, 6, 3], name="real")
-                noise = tf1.placeholder(tf.float32, [2, 6, 6, 3], name="noise")
-                with tf1.variable_scope("generator", reuse=tf1.AUTO_REUSE):
-                    fake = layers.conv2d(tf.nn.relu(layers.batch_normalization(
-                        layers.conv2d(noise, 4, 3, padding="same"), training=True)), 3, 1)
-                logits = []
-                for x in (real, fake):
-                    with tf1.variable_scope("discriminator", reuse=tf1.AUTO_REUSE):
-                        h = tf.nn.relu(layers.batch_normalization(layers.conv2d(x, 4, 3), training=True))
-                        logits.append(layers.dense(tf.reduce_mean(h, [1, 2]), 1))
-                loss = tf.reduce_mean(tf.nn.softplus(-logits[0])) + tf.reduce_mean(tf.nn.softplus(logits[1]))
-                grads.append(opt.compute_gradients(loss))
-        averaged = [(tf.add_n([g for g, _ in per_var]) / towers, per_var[0][1]) for per_var in zip(*grads)]
-        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
-            opt.apply_gradients(averaged, name="train_op")
-    return graph
-
-
-def test_a_network_applied_twice_in_each_tower_is_refused_with_the_reason():
-    """The discriminator's applications (real, generated) are not paired across towers: the
-    graph is refused naming the layer, never half synchronized in silence."""
-    graph = _gan_towers()
-    with pytest.raises(bnrewrite.TowerMismatchError, match="discriminator.* used 2 times in tower /device:CPU:0 "
-                                                           r"\(one network applied to several batches") as refused:
-        rewrite_graph(graph)
-    assert "\n" not in str(refused.value)
-    partial = rewrite_graph(graph, allow_unsynced=True)  # the user's explicit choice: the generator alone
-    assert [row.layer for row in partial.report.layers] == ["generator/batch_normalization"]
-    assert {s["node"] for s in partial.report.skipped} == {
-        f"tower_{k}/discriminator{a}/batch_normalization/FusedBatchNormV3" for k in (0, 1) for a in ("", "_1")}
-
-
 def test_value_free_walk_ends_on_a_loop():
     """A v1 while loop's Merge reads its own NextIteration: the walk that tells gradient seeds
     (values made of constants and shapes alone) from data ends there, counting the loop as data."""

@@ -18,13 +18,9 @@ import numpy as np
 from bnrewrite import stepcheck
 from bnrewrite.errors import BnRewriteError
 from bnrewrite.io.model import Entry, one_line
+from bnrewrite.ops import INPUT_PIPELINE_OPS
 from bnrewrite.report import Report
 
-#: Ops whose outputs are fed directly instead of run: input pipelines.
-SOURCES = frozenset({
-    "IteratorGetNext", "IteratorGetNextSync", "QueueDequeue", "QueueDequeueV2", "QueueDequeueMany",
-    "QueueDequeueManyV2", "QueueDequeueUpTo", "QueueDequeueUpToV2",
-})
 _VARIABLES = frozenset({"VarHandleOp", "VariableV2", "Variable"})
 _DEVICE = re.compile(r"(?:/job:[^/]*)?(?:/replica:\d+)?(?:/task:\d+)?(?:/device:|/)(?:gpu|cpu|GPU|CPU|XLA_GPU|XLA_CPU):(\d+)$")
 
@@ -112,7 +108,7 @@ def _upstream(graph: Any, ops: list[Any]) -> list[Any]:
     frontier = list(ops)
     while frontier:
         op = frontier.pop()
-        if op.type in SOURCES:
+        if op.type in INPUT_PIPELINE_OPS:
             continue
         for source in [t.op for t in op.inputs] + list(op.control_inputs):
             if source.name not in seen:
@@ -127,7 +123,7 @@ def _feed(needed: list[Any], batch: int | None) -> dict[Any, np.ndarray]:
     differ), integers 0 (a valid class), booleans True."""
     rng = np.random.default_rng(0)
     feed = {}
-    tensors = [t for op in needed if op.type == "Placeholder" or op.type in SOURCES for t in op.outputs]
+    tensors = [t for op in needed if op.type == "Placeholder" or op.type in INPUT_PIPELINE_OPS for t in op.outputs]
     for k, tensor in enumerate(sorted(tensors, key=lambda t: t.name)):
         shape = _shape(tensor, batch)
         dtype = tensor.dtype.base_dtype

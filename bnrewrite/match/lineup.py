@@ -8,7 +8,9 @@ shows still pair the copies:
 1. roles: the names of the variables a copy uses (else its own name) with the parts that
    name a tower or a replica taken out: `v1/bn/gamma` and `bn/gamma/replica_1` become
    `bn/gamma`; failing that, also the `_k` of a uniquified outermost scope (`model_1/bn/gamma`).
-   A role held by exactly one site in every tower pairs those sites.
+   A role held by exactly one site in every tower pairs those sites (by m sites in every
+   tower when each tower's m use the very same variables: one layer applied m times, which
+   `applications.py` splits).
 2. structure, for the sites whose roles do not pair (a naming convention nobody foresaw): the
    op types and variable shapes a few steps upstream of the site. Sites of one tower with the
    same structure are told apart by their order along data dependencies; when they do not
@@ -30,7 +32,7 @@ from bnrewrite.match.sites import VARIABLE_OPS
 TOWER_PART = re.compile(r"(?:tower|replica|clone|gpu|cpu|device|worker|shard|v)_?\d+", re.IGNORECASE)
 _UNIQUIFIED = re.compile(r"_\d+$")
 #: How many steps upstream of a site its structure looks (site <- conv <- read <- variable).
-_DEPTH = 3
+DEPTH = 3
 
 
 @dataclass(frozen=True)
@@ -73,12 +75,24 @@ def line_up(
             by_role[key or role(s.name, scope, uniquified)].append(s)
         rest = []
         for key, members in by_role.items():
-            if sorted(tower[s.name] for s in members) == sorted(ids):
+            if sorted(tower[s.name] for s in members) == sorted(ids) or _applied_alike(members, tower, ids, variables):
                 pairings.append(Pairing(key, members, "variable roles" if variables[members[0].name] else "names"))
             else:
                 rest.extend(members)
     structured, skips = _by_structure(graph, rest, tower, ids, variables)
     return pairings + structured, skips
+
+
+def _applied_alike(members: list[Site], tower: dict[str, str], ids: list[str], variables: dict[str, list[str]]) -> bool:
+    """Whether every tower applies one layer of its own the same number of times (> 1) among
+    `members`: its sites there use the very same variables (applications.py pairs them)."""
+    per_tower: dict[str, list[Site]] = defaultdict(list)
+    for s in members:
+        per_tower[tower[s.name]].append(s)
+    if sorted(per_tower) != sorted(ids) or len({len(sites) for sites in per_tower.values()}) != 1:
+        return False
+    return all(len(sites) > 1 and variables[sites[0].name] and all(variables[s.name] == variables[sites[0].name] for s in sites)
+               for sites in per_tower.values())
 
 
 def _by_structure(
@@ -89,7 +103,7 @@ def _by_structure(
     buckets: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     site_of = {s.name: s for s in sites}
     for s in sites:
-        buckets[structure(graph, s.name, _DEPTH, memo)][tower[s.name]].append(s.name)
+        buckets[structure(graph, s.name, DEPTH, memo)][tower[s.name]].append(s.name)
     pairings, skips = [], []
     for per_tower in buckets.values():
         ordered = {t: graph.sorted_topologically(per_tower.get(t, ())) for t in ids}

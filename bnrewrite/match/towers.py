@@ -5,7 +5,8 @@ else the top name scope (MirroredStrategy's replica 0 has none: beside `replica_
 the unscoped sites are `replica_0`). A layer is what its copies share: the variables they
 read (scale, offset) or write (moving averages) when the towers share those; when every
 tower has its own copies, `lineup.py` pairs them by the roles of their variables' names and,
-failing that, by structure.
+failing that, by structure. A layer that every tower applies several times (a GAN's
+discriminator, a Siamese net) becomes one group per application (`applications.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from bnrewrite.errors import NotReplicasError, NoTowersError, TowerMismatchError
 from bnrewrite.graph import Graph
+from bnrewrite.match.applications import split_applications
 from bnrewrite.match.data_parallel import not_replicas
 from bnrewrite.match.lineup import line_up
 from bnrewrite.match.census import Site, Skip
@@ -27,7 +29,7 @@ from bnrewrite.match.census import Site, Skip
 class LayerGroup:
     """The K copies of one batch-norm layer, one per tower, in tower order."""
 
-    key: str
+    key: str  # the layer's name (one application's, for a layer each tower applies several times)
     sites: tuple[Site, ...]
     lined_up_by: str = "shared variables"  # or "variable roles", "names", "structure"
 
@@ -39,6 +41,7 @@ class Towers:
     groups: tuple[LayerGroup, ...]
     skips: tuple[Skip, ...]
     layout: str = ""  # how the towers hold the layers' variables, for the report
+    applications: tuple[str, ...] = ()  # for the report: each layer applied several times per tower
 
 
 def _natural(text: str) -> list[object]:
@@ -100,24 +103,26 @@ def group_towers(graph: Graph, sites: list[Site], by: str = "auto", min_towers: 
         else:
             own.append(s)
     pairings, skips = line_up(graph, own, tower, ids, variables, by == "scope") if own else ([], [])
-    candidates = [(key, members, "shared variables") for key, members in buckets.items()]
-    candidates += [(p.key, p.sites, p.by) for p in pairings]
+    candidates = [(_layer_name(key), members, "shared variables") for key, members in buckets.items()]
+    candidates += [(_layer_name(p.key), p.sites, p.by) for p in pairings]
+    candidates, unpaired, applied = split_applications(graph, candidates, tower, ids, by == "scope")
+    skips.extend(unpaired)
     order = {name: i for i, name in enumerate(graph.names())}
     groups = []
-    for key, members, how in candidates:
+    for name, members, how in candidates:
         reason = _mismatch(members, tower, ids)
         if reason:
             skips.extend(Skip(s.name, reason) for s in members)
             continue
         members = sorted(members, key=lambda s: ids.index(tower[s.name]))
-        groups.append(LayerGroup(_layer_name(key), tuple(members), how))
+        groups.append(LayerGroup(name, tuple(members), how))
     groups.sort(key=lambda g: order[g.sites[0].name])
     if not groups:
         raise TowerMismatchError(
             f"found towers {', '.join(map(shown_tower, ids))} but no batch-norm layer lines up across them: "
             f"{skips[0].node}: {skips[0].reason}"
         )
-    return Towers(tuple(ids), by, tuple(groups), tuple(skips), _layout(groups, variables))
+    return Towers(tuple(ids), by, tuple(groups), tuple(skips), _layout(groups, variables), tuple(applied))
 
 
 def _layout(groups: list[LayerGroup], variables: dict[str, list[str]]) -> str:
@@ -147,10 +152,9 @@ def _mismatch(members: list[Site], tower: dict[str, str], ids: list[str]) -> str
         seen[tower[s.name]].append(s.name)
     twice = [t for t, names in seen.items() if len(names) > 1]
     if twice:
-        return (f"used {len(seen[twice[0]])} times in tower {shown_tower(twice[0])} (one network applied to several "
-                "batches in each tower, e.g. a discriminator on real and on generated images); bnrewrite synchronizes "
-                "a layer applied once per tower, and pairing each application with its counterparts in the other "
-                "towers is not supported")
+        counts = ", ".join(f"{len(seen.get(t, ()))} in {shown_tower(t)}" for t in ids)
+        return (f"applied a different number of times in different towers ({counts}): the towers do not run the "
+                "same network")
     missing = [t for t in ids if t not in seen]
     if missing:
         return f"missing from tower(s) {', '.join(map(shown_tower, missing))}"

@@ -36,9 +36,11 @@ def find_updates(
     graph: Graph, statistics: list[tuple[str, int, str]], elsewhere: Callable[[str], bool] = lambda update: False,
 ) -> tuple[tuple[Update, ...], tuple[str, ...]]:
     """Assign ops whose value depends on the (node, output, statistic name) tensors given,
-    also through the value an update leaves (the output of a ref-variable assign, or a read
-    that waits on a resource-variable assign): batch renormalization sets moving_variance from
-    moving_stddev once that is updated. Also the functional control-flow ops the statistics
+    also through the value an update leaves (the output of a ref-variable assign, or a read of
+    the same variable that waits on a resource-variable assign): batch renormalization sets
+    moving_variance from moving_stddev once that is updated. Reads of other variables that wait
+    on the update (an optimizer's `beta1_power` built under `control_dependencies(UPDATE_OPS)`)
+    take no value from it. Also the functional control-flow ops the statistics
     enter on the way that may hide an update this search cannot see (_may_hide_updates); one
     that only reads them (a summary's tf.nn.zero_fraction cond) is no obstacle.
 
@@ -58,7 +60,8 @@ def find_updates(
             derived = True
             starts = [(update, 0) for update in new] + [
                 (read, 0) for update in new for read in graph.consumers.get(update, ())
-                if graph.node(read).op == "ReadVariableOp" and f"^{update}" in graph.node(read).input]
+                if graph.node(read).op == "ReadVariableOp" and f"^{update}" in graph.node(read).input
+                and resolve_variable(graph, graph.producer(read, 0)[0]) == found[update].variable]
     return tuple(sorted(found.values(), key=lambda u: u.node)), tuple(sorted(o for o in opaque if _may_hide_updates(graph, o)))
 
 

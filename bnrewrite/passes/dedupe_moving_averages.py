@@ -1,8 +1,9 @@
-"""Exactly one moving-average update per statistics variable per step.
+"""Exactly one moving-average update per statistics variable and layer group per step.
 
 After `sync_forward` every tower's batch statistics are the global ones, so when K towers
 update the same shared variable, one update (the first tower's) is the right one and the
-other K-1 are removed, together with the arithmetic that only fed them and the reads that
+other K-1 are removed (a layer each tower applies m times keeps m, one per application, as
+one device running it m times would), together with the arithmetic that only fed them and the reads that
 only waited on them. Every edge to a removed update, data or control, moves to the kept
 update of the same variable: a target that ran any tower's update of a variable (the first
 tower's, the last one's, all of them) runs the kept one, once. Towers that own their own
@@ -40,16 +41,18 @@ _DROPPABLE_STATEFUL = frozenset({"ReadVariableOp"}) | ASSIGN_OPS
 
 def dedupe_moving_averages(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
     record = PassRecord("dedupe_moving_averages")
-    writers: dict[str, list[str]] = defaultdict(list)
-    for group in plan.groups:
+    writers: dict[tuple[int, str], list[str]] = defaultdict(list)  # (layer group, variable) -> its updates
+    listed: set[str] = set()
+    for layer, group in enumerate(plan.groups):
         for site in group.sites:
             for update in site.updates:
-                if update.node in graph and update.node not in writers[update.variable]:
-                    writers[update.variable].append(update.node)
+                if update.node in graph and update.node not in listed:
+                    listed.add(update.node)
+                    writers[layer, update.variable].append(update.node)
     doomed: dict[str, str] = {}
     keeper: dict[str, str] = {}
     elsewhere: set[str] = set()  # variables another worker updates
-    for variable, nodes in writers.items():
+    for (_, variable), nodes in writers.items():
         if plan.updated_by_worker_0(graph, variable):
             doomed.update(dict.fromkeys(nodes, f"update of {variable}, which the parameter server holds for every "
                                                f"worker; worker 0 updates it, worker {plan.options.task_index} does not"))
