@@ -16,7 +16,6 @@ CASE.one.npz (one device fed every tower's examples), CASE.perturbed.npz (inputs
 
 from __future__ import annotations
 
-import argparse
 import os
 import zlib
 
@@ -24,6 +23,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # tf.compat.v1.layers on TF >
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+import oracle_cli  # noqa: E402
 
 tf1 = tf.compat.v1
 layers = tf1.layers
@@ -126,24 +126,5 @@ def train(case: str, towers: int, batch: int, perturb: float = 0.0) -> dict[str,
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out")
-    parser.add_argument("cases", nargs="+", choices=CASES)
-    parser.add_argument("--towers", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--reference", action="store_true")
-    args = parser.parse_args()
-    tf1.disable_eager_execution()
-    for case in args.cases:
-        if not args.reference:
-            np.savez(os.path.join(args.out, f"{case}.npz"), **train(case, args.towers, args.batch))
-            continue
-        whole = args.towers * args.batch
-        np.savez(os.path.join(args.out, f"{case}.one.npz"), **train(case, 1, whole))
-        np.savez(os.path.join(args.out, f"{case}.perturbed.npz"), **train(case, 1, whole, 1e-7))
-        np.savez(os.path.join(args.out, f"{case}.towers.npz"), **train(case, args.towers, args.batch))
-
-
 if __name__ == "__main__":
-    main()
+    oracle_cli.main(CASES, train)

@@ -32,7 +32,6 @@ Usage: keras_towers.py OUT_DIR CASE... [--towers K] [--batch B] [--reference]
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -42,6 +41,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+import oracle_cli  # noqa: E402
 import tf_keras as keras  # noqa: E402
 from tf_keras.src import backend  # noqa: E402
 
@@ -224,26 +224,5 @@ def train(case: str, towers: int, batch: int, perturb: float = 0.0) -> dict[str,
     return weights
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out", help="a directory: CASE.npz for each case (--reference: CASE.one.npz, the one-device "
-                                    "run; CASE.perturbed.npz, the same with its images scaled by 1 + 1e-7; "
-                                    "CASE.towers.npz, the towers as built)")
-    parser.add_argument("cases", nargs="+", choices=CASES)
-    parser.add_argument("--towers", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--reference", action="store_true")
-    args = parser.parse_args()
-    tf1.disable_eager_execution()
-    for case in args.cases:
-        if not args.reference:
-            np.savez(os.path.join(args.out, f"{case}.npz"), **train(case, args.towers, args.batch))
-            continue
-        whole = args.towers * args.batch
-        np.savez(os.path.join(args.out, f"{case}.one.npz"), **train(case, 1, whole))
-        np.savez(os.path.join(args.out, f"{case}.perturbed.npz"), **train(case, 1, whole, 1e-7))
-        np.savez(os.path.join(args.out, f"{case}.towers.npz"), **train(case, args.towers, args.batch))
-
-
 if __name__ == "__main__":
-    main()
+    oracle_cli.main(CASES, train)
