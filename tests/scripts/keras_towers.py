@@ -33,7 +33,6 @@ Usage: keras_towers.py OUT_DIR CASE... [--towers K] [--batch B] [--reference]
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import zlib
 
