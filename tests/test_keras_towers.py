@@ -25,7 +25,7 @@ from script_oracle import ROOT, judge, run_both
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "keras_towers.py")
 SMALL = ("functional", "learning_phase", "cond_v1", "set_learning_phase", "update_ops", "sequential", "unfused",
-         "unfused_any_batch", "renorm", "float16", "multi_gpu", "mirrored_fit")
+         "unfused_any_batch", "renorm", "float16", "multi_gpu", "mirrored_fit", "mirrored_fit_unfused")
 tf1 = tf.compat.v1
 
 

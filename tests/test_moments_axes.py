@@ -3,6 +3,8 @@ only), against the one-device oracle, also with towers of unequal static batch s
 tf.nn.weighted_moments is reported as skipped; a moments site knows the scale and offset
 variables of the normalization it feeds."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -15,9 +17,10 @@ tf1 = tf.compat.v1
 FEATURES, UNITS, STEPS, B = 5, 6, 3, 4
 
 
-def _build(sizes: list[int], weighted: bool = False) -> tf.Graph:
+def _build(sizes: list[int], weighted: bool = False, tape: bool = False, dynamic: bool = False) -> tf.Graph:
     """A tower per size (its batch): x -> dense -> legacy batch norm (2-D: unfused, axes [0]) ->
-    squared loss, each tower's weighted by its share so that their average is the mean over all."""
+    squared loss, each tower's weighted by its share so that their average is the mean over all;
+    `tape`: each tower's gradients by tf.GradientTape; `dynamic`: x of unknown batch size."""
     k, total = len(sizes), sum(sizes)
     rng = np.random.default_rng(0)
     kernel0 = rng.normal(size=(FEATURES, UNITS)).astype(np.float32)
@@ -27,18 +30,23 @@ def _build(sizes: list[int], weighted: bool = False) -> tf.Graph:
         grads, losses = [], []
         for i, batch in enumerate(sizes):
             with tf.device(f"/cpu:{i}"), tf.name_scope(f"tower_{i}"):
-                x = tf1.placeholder(tf.float32, [batch, FEATURES], name="x")
-                with tf1.variable_scope("net", reuse=tf1.AUTO_REUSE):
-                    h = tf.matmul(x, tf1.get_variable("kernel", initializer=kernel0))
-                    if weighted:
-                        mean, var = tf.nn.weighted_moments(h, [0], tf.ones([batch, 1]))
-                        y = tf.nn.batch_normalization(h, mean, var, None, None, 1e-3)
-                    else:
-                        y = batch_normalization(h, training=True, momentum=0.9)
-                loss = tf.multiply(tf.reduce_sum(tf.square(y - tf.range(UNITS, dtype=tf.float32))), k / (total * UNITS),
-                                   name="loss")
+                x = tf1.placeholder(tf.float32, [None if dynamic else batch, FEATURES], name="x")
+                with tf.GradientTape() if tape else contextlib.nullcontext() as recorded:
+                    with tf1.variable_scope("net", reuse=tf1.AUTO_REUSE):
+                        h = tf.matmul(x, tf1.get_variable("kernel", initializer=kernel0))
+                        if weighted:
+                            mean, var = tf.nn.weighted_moments(h, [0], tf.ones([batch, 1]))
+                            y = tf.nn.batch_normalization(h, mean, var, None, None, 1e-3)
+                        else:
+                            y = batch_normalization(h, training=True, momentum=0.9)
+                    loss = tf.multiply(tf.reduce_sum(tf.square(y - tf.range(UNITS, dtype=tf.float32))),
+                                       k / (total * UNITS), name="loss")
                 losses.append(loss)
-                grads.append(opt.compute_gradients(loss))
+                if tape:
+                    variables = tf1.trainable_variables()
+                    grads.append(list(zip(recorded.gradient(loss, variables), variables)))
+                else:
+                    grads.append(opt.compute_gradients(loss))
         with tf.device("/cpu:0"):
             avg = [(tf.add_n([g for g, _ in gv]) / k, gv[0][1]) for gv in zip(*grads)]
             tf.identity(tf.add_n(losses) / k, name="total_loss")
@@ -86,13 +94,23 @@ def test_towers_of_unequal_static_sizes():
     _check_oracle([2, 6], [(rng.normal(size=(8, FEATURES)) * 3 + 1).astype(np.float32) for _ in range(STEPS)])
 
 
-def _check_oracle(sizes: list[int], data: list) -> None:
-    graph = _build(sizes)
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_legacy_layer_under_a_gradient_tape(dynamic):
+    """tf.GradientTape's gradients (ops named after the forward scope, no `mean_grad`): the
+    moments' gradient entries are found by structure, towers of 2 and 6 examples."""
+    rng = np.random.default_rng(3)
+    _check_oracle([2, 6], [(rng.normal(size=(8, FEATURES)) * 3 + 1).astype(np.float32) for _ in range(STEPS)],
+                  tape=True, dynamic=dynamic)
+
+
+def _check_oracle(sizes: list[int], data: list, **kwargs: bool) -> None:
+    graph = _build(sizes, **kwargs)
     result = rewrite_graph(graph, backend="collective")
     assert [row.data_format for row in result.report.layers] == ["axes=0"]
-    want = _train(_build([sum(sizes)]), [sum(sizes)], data)
+    assert [len(row.gradients) for row in result.report.layers] == [len(sizes)]
+    want = _train(_build([sum(sizes)], **kwargs), [sum(sizes)], data)
     synced, unsynced = _error(_train(result.graph_def, sizes, data), want), _error(_train(graph, sizes, data), want)
-    print(f"2-D legacy, towers of {sizes}: synced {synced:.2e}, unsynced {unsynced:.2e}")
+    print(f"2-D legacy, towers of {sizes} {kwargs}: synced {synced:.2e}, unsynced {unsynced:.2e}")
     assert unsynced > 1e-2
     assert synced < 2e-4
 
@@ -133,12 +151,13 @@ def test_moments_sites_know_the_variables_their_normalization_reads(affine):
     assert site.offset_var == ("bn/beta" if "offset" in affine else None)
 
 
-def test_moments_differentiated_by_a_gradient_tape_are_refused_named():
-    """tf.GradientTape names a gradient's ops after the forward op's scope (no `mean_grad`), so
-    bnrewrite cannot find where the moments' gradients enter: such a layer is refused, naming the
-    tape, not synchronized in its forward pass alone (13.5 off one device on a scale of 267 in
-    a 2-tower test, before). The fused layer beside it, whose gradient op is found by type, is
-    synchronized with allow_unsynced."""
+def test_a_gradient_tape_of_unknown_form_is_refused_named():
+    """tf.GradientTape names a gradient's ops after the forward op's scope (no `mean_grad`); its
+    moments' gradients are found by structure (the oracle above). Where that structure is not
+    there (here: the Sub that the SquaredDifference gradient makes no longer waits on the
+    variance's gradient), the layer is refused, naming the tape, not synchronized in its forward
+    pass alone (13.5 off one device on a scale of 267 in a 2-tower test, before); the fused layer
+    beside it, whose gradient op is found by type, is synchronized with allow_unsynced."""
     from bnrewrite.errors import UnsyncedLayerError
 
     graph = tf.Graph()
@@ -158,8 +177,17 @@ def test_moments_differentiated_by_a_gradient_tape_are_refused_named():
                     loss = tf.reduce_sum(tf.tanh(y))
                 grads.append(tape.gradient(loss, [kernel, gamma, beta]))
         tf.group(*[tf.add_n(list(g)) for g in zip(*grads)], name="train_op")
+    report = rewrite_graph(graph).report
+    assert [row.op for row in report.layers] == ["FusedBatchNormV3", "Moments"]
+    assert [len(row.gradients) for row in report.layers] == [2, 2]
+    graph_def = graph.as_graph_def()
+    for node in graph_def.node:
+        if node.op == "Sub" and node.name.startswith("gradient_tape") and any(i.startswith("^") for i in node.input):
+            kept = [i for i in node.input if not i.startswith("^")]
+            del node.input[:]
+            node.input.extend(kept)
     with pytest.raises(UnsyncedLayerError, match=r"tower_0/moments/mean was built by tf.GradientTape"):
-        rewrite_graph(graph)
-    report = rewrite_graph(graph, allow_unsynced=True).report
+        rewrite_graph(graph_def)
+    report = rewrite_graph(graph_def, allow_unsynced=True).report
     assert [row.op for row in report.layers] == ["FusedBatchNormV3"]
     assert len(report.skipped) == 2 and all("GradientTape" in s["reason"] for s in report.skipped)

@@ -23,6 +23,7 @@ from tensorflow.python.framework import tensor_util
 
 from bnrewrite.graph import Graph
 from bnrewrite.match.census import Census, Site, Skip
+from bnrewrite.match.tape_gradients import tape_entries
 from bnrewrite.names import tensor_name
 from bnrewrite.nodes import MARK
 from bnrewrite.opcheck import check_attrs, check_batch_norm_shapes
@@ -230,17 +231,25 @@ def _moments_site(graph: Graph, variance: object, gradients: _MeanGradients) -> 
         return None, f"mean and variance of {mean} differ in keep_dims"
     grads = sorted(gradients.entries.get(mean, []))
     variance_grads = sorted(gradients.entries.get(variance.name, []))  # type: ignore[attr-defined]
+    paired = tape_entries(graph, squared)  # every gradient's, by structure: tf.GradientTape's have no `_grad` scope
+    scoped = gradients.scopes.get(mean) or gradients.scopes.get(variance.name)  # type: ignore[attr-defined]
+    if not scoped:
+        grads, variance_grads = paired
+    elif len(paired[0]) > len(grads):
+        return None, (f"{mean} has {len(paired[0])} gradients, {len(grads)} of them by tf.gradients: the others (a "
+                      "tf.GradientTape's) are not synchronized beside them; left unsynced")
     if len(grads) != len(variance_grads):
         return None, f"the gradient reaches only one of mean and variance of {mean}; left unsynced"
-    for op, entries in ((mean, grads), (variance.name, variance_grads)):  # type: ignore[attr-defined]
+    for op, entries in ((mean, grads), (variance.name, variance_grads)) if scoped else ():  # type: ignore[attr-defined]
         if len(entries) != len(gradients.scopes.get(op, ())):
             return None, (f"a gradient of {op} takes the incoming gradient in by ops bnrewrite does not know (no "
                           f"Reshape or BroadcastTo under {sorted(gradients.scopes[op])[0]}); left unsynced, as "
                           "synchronizing its forward pass alone would train it wrongly")
     if not grads and any(_TAPE_SCOPE.search(reader) for reader in graph.consumers.get(x, ())):
-        return None, (f"the gradient of {mean} was built by tf.GradientTape (ops under gradient_tape/ read {x}), "
-                      "whose ops bnrewrite cannot yet tell apart from other gradients; left unsynced, as synchronizing "
-                      "its forward pass alone would train it wrongly")
+        return None, (f"the gradient of {mean} was built by tf.GradientTape (ops under gradient_tape/ read {x}) in a "
+                      "form bnrewrite does not know (no Sub of its SquaredDifference's inputs waiting on the variance's "
+                      "gradient, or no one mean gradient beside it); left unsynced, as synchronizing its forward pass "
+                      "alone would train it wrongly")
     dtype = int(_attr(mean_node, "T", types_pb2.DT_FLOAT))
     scale_var, offset_var = _affine_variables(graph, variance.name)  # type: ignore[attr-defined]
     site = Site(

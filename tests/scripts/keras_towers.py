@@ -17,7 +17,9 @@
 * multi_gpu: the `keras.utils.multi_gpu_model` pattern (Keras <= 2.3): slice the batch with
   `Lambda`, call the model per slice under `tf.device`, `concatenate`; compile + fit the merged
   model.
-* mirrored_fit: compile and fit under `tf.distribute.MirroredStrategy` (one replica per device).
+* mirrored_fit: compile and fit under `tf.distribute.MirroredStrategy` (one replica per device);
+  mirrored_fit_unfused: the same with `fused=False` batch norm (each replica's gradients come
+  from a tf.GradientTape, whose moments' gradients carry no `mean_grad` scope).
 
 With --reference each also trains the one-device reference: the same model fed the whole batch
 (fit without the merging model or the strategy), once as is and once with its images scaled by
@@ -46,7 +48,7 @@ from tf_keras.src import backend  # noqa: E402
 
 tf1 = tf.compat.v1
 CASES = ("functional", "learning_phase", "cond_v1", "set_learning_phase", "update_ops", "sequential", "unfused",
-         "unfused_any_batch", "renorm", "float16", "mobilenet", "multi_gpu", "mirrored_fit")
+         "unfused_any_batch", "renorm", "float16", "mobilenet", "multi_gpu", "mirrored_fit", "mirrored_fit_unfused")
 STEPS, CLASSES = 3, 3
 
 
@@ -59,9 +61,10 @@ def _model(case: str) -> keras.Model:
     if case == "mobilenet":
         return keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=CLASSES,
                                               classifier_activation=None)
-    options = {"unfused": {"fused": False}, "unfused_any_batch": {"fused": False}, "renorm": {"renorm": True}}.get(case, {})
+    options = {"unfused": {"fused": False}, "unfused_any_batch": {"fused": False}, "renorm": {"renorm": True},
+               "mirrored_fit_unfused": {"fused": False}}.get(case, {})
     layers = keras.layers
-    if case in ("sequential", "mirrored_fit"):
+    if case in ("sequential", "mirrored_fit", "mirrored_fit_unfused"):
         return keras.Sequential([
             layers.Conv2D(4, 3, use_bias=False, input_shape=(6, 6, 3), name="conv1"),
             layers.BatchNormalization(momentum=0.9, name="bn1", **options), layers.ReLU(),
@@ -166,7 +169,7 @@ def _multi_gpu(model: keras.Model, towers: int) -> keras.Model:
 
 def _fit(case: str, towers: int, batch: int, images: np.ndarray, targets: np.ndarray) -> keras.Model:
     _session(towers)
-    if case == "mirrored_fit" and towers > 1:
+    if case.startswith("mirrored_fit") and towers > 1:
         with tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(towers)]).scope():
             model = _model(case)
             model.compile(keras.optimizers.legacy.SGD(0.1), "mse")
@@ -212,7 +215,8 @@ def train(case: str, towers: int, batch: int, perturb: float = 0.0) -> dict[str,
     keras.mixed_precision.set_global_policy("mixed_float16" if case == "float16" else "float32")
     (tf1.disable_control_flow_v2 if case == "cond_v1" else tf1.enable_control_flow_v2)()
     images, targets = _data(case, STEPS * towers * batch, perturb)
-    model = (_fit if case in ("multi_gpu", "mirrored_fit") else _per_tower)(case, towers, batch, images, targets)
+    model = (_fit if case in ("multi_gpu", "mirrored_fit", "mirrored_fit_unfused") else _per_tower)(case, towers, batch, images,
+                                                                                              targets)
     weights = _weights(model)
     if case == "mobilenet":  # the small cases check the checkpoints; MobileNetV2 takes seconds to build
         return weights
