@@ -2,7 +2,8 @@
 
 * gan: per tower (/cpu:k) a generator and a discriminator applied to real and to generated
   images; discriminator and generator steps in turn, each its own averaged gradients and its
-  own network's moving-average updates (both applications' for the discriminator).
+  own network's moving-average updates (both applications' for the discriminator); gan_tape:
+  the same differentiated by one persistent tf.GradientTape per tower (TF2 style).
 * siamese: per tower one embedding net applied to both images of each pair, a contrastive loss;
   siamese_moments: the same with `fused=False` batch norm (tf.nn.moments).
 * two_stream: per tower two nets of their own (no variable shared) on two inputs.
@@ -16,6 +17,7 @@ CASE.one.npz (one device fed every tower's examples), CASE.perturbed.npz (inputs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
 
@@ -27,7 +29,7 @@ import oracle_cli  # noqa: E402
 
 tf1 = tf.compat.v1
 layers = tf1.layers
-CASES = ("gan", "siamese", "siamese_moments", "two_stream")
+CASES = ("gan", "gan_tape", "siamese", "siamese_moments", "two_stream")
 STEPS = 3
 
 
@@ -76,15 +78,18 @@ def _build(case: str, towers: int, batch: int) -> tuple[list[tf.Tensor], list[tf
     for k in range(towers):
         with tf.device(f"/cpu:{k}"), tf.name_scope(f"tower_{k}"):
             a, b, z, same = (t[k * batch:(k + 1) * batch] for t in feeds)
-            if case == "gan":
-                real, fake = _discriminator(a), _discriminator(_generator(z))
-                xent = tf.nn.sigmoid_cross_entropy_with_logits
-                d_loss = (tf.reduce_mean(xent(labels=tf.ones_like(real), logits=real))
-                          + tf.reduce_mean(xent(labels=tf.zeros_like(fake), logits=fake)))
-                g_loss = tf.reduce_mean(xent(labels=tf.ones_like(fake), logits=fake))
+            if case.startswith("gan"):
+                with tf.GradientTape(persistent=True) if case == "gan_tape" else contextlib.nullcontext() as tape:
+                    real, fake = _discriminator(a), _discriminator(_generator(z))
+                    xent = tf.nn.sigmoid_cross_entropy_with_logits
+                    d_loss = (tf.reduce_mean(xent(labels=tf.ones_like(real), logits=real))
+                              + tf.reduce_mean(xent(labels=tf.zeros_like(fake), logits=fake)))
+                    g_loss = tf.reduce_mean(xent(labels=tf.ones_like(fake), logits=fake))
                 for scope, loss in (("D", d_loss), ("G", g_loss)):
                     losses[scope].append(loss)
-                    grads[scope].append(opt.compute_gradients(loss, tf1.trainable_variables(scope)))
+                    variables = tf1.trainable_variables(scope)
+                    grads[scope].append(list(zip(tape.gradient(loss, variables), variables)) if tape else
+                                        opt.compute_gradients(loss, variables))
             else:
                 fused = case != "siamese_moments"
                 second = "F" if case == "two_stream" else "E"
@@ -92,7 +97,7 @@ def _build(case: str, towers: int, batch: int) -> tuple[list[tf.Tensor], list[tf
                 losses["D"].append(tf.reduce_mean(same * distance + (1 - same) * tf.nn.relu(1.0 - distance)))
                 grads["D"].append(opt.compute_gradients(losses["D"][-1]))
     with tf.device("/cpu:0"):
-        if case == "gan":
+        if case.startswith("gan"):
             trains = [tf.group(opt.apply_gradients(_averaged(grads[s])), *_updates_of(s)) for s in ("D", "G")]
         else:
             trains = [tf.group(opt.apply_gradients(_averaged(grads["D"])), *tf1.get_collection(tf1.GraphKeys.UPDATE_OPS))]
