@@ -17,10 +17,13 @@ tf1 = tf.compat.v1
 FEATURES, UNITS, STEPS, B = 5, 6, 3, 4
 
 
-def _build(sizes: list[int], weighted: bool = False, tape: bool = False, dynamic: bool = False) -> tf.Graph:
+def _build(sizes: list[int], weighted: bool = False, tape: bool = False, dynamic: bool = False,
+           under_updates: bool = False) -> tf.Graph:
     """A tower per size (its batch): x -> dense -> legacy batch norm (2-D: unfused, axes [0]) ->
     squared loss, each tower's weighted by its share so that their average is the mean over all;
-    `tape`: each tower's gradients by tf.GradientTape; `dynamic`: x of unknown batch size."""
+    `tape`: each tower's gradients by tf.GradientTape; `dynamic`: x of unknown batch size;
+    `under_updates`: the gradients taken under control_dependencies(UPDATE_OPS), the TF1 habit
+    (every gradient op then also waits on the updates)."""
     k, total = len(sizes), sum(sizes)
     rng = np.random.default_rng(0)
     kernel0 = rng.normal(size=(FEATURES, UNITS)).astype(np.float32)
@@ -42,11 +45,13 @@ def _build(sizes: list[int], weighted: bool = False, tape: bool = False, dynamic
                     loss = tf.multiply(tf.reduce_sum(tf.square(y - tf.range(UNITS, dtype=tf.float32))),
                                        k / (total * UNITS), name="loss")
                 losses.append(loss)
-                if tape:
-                    variables = tf1.trainable_variables()
-                    grads.append(list(zip(recorded.gradient(loss, variables), variables)))
-                else:
-                    grads.append(opt.compute_gradients(loss))
+                waits = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS) if under_updates else []
+                with tf.control_dependencies(waits):
+                    if tape:
+                        variables = tf1.trainable_variables()
+                        grads.append(list(zip(recorded.gradient(loss, variables), variables)))
+                    else:
+                        grads.append(opt.compute_gradients(loss))
         with tf.device("/cpu:0"):
             avg = [(tf.add_n([g for g, _ in gv]) / k, gv[0][1]) for gv in zip(*grads)]
             tf.identity(tf.add_n(losses) / k, name="total_loss")
@@ -94,13 +99,42 @@ def test_towers_of_unequal_static_sizes():
     _check_oracle([2, 6], [(rng.normal(size=(8, FEATURES)) * 3 + 1).astype(np.float32) for _ in range(STEPS)])
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_legacy_layer_under_a_gradient_tape(dynamic):
+@pytest.mark.parametrize("dynamic, under_updates", [(False, False), (True, False), (False, True)],
+                         ids=["static", "dynamic", "under_updates"])
+def test_legacy_layer_under_a_gradient_tape(dynamic, under_updates):
     """tf.GradientTape's gradients (ops named after the forward scope, no `mean_grad`): the
     moments' gradient entries are found by structure, towers of 2 and 6 examples."""
     rng = np.random.default_rng(3)
     _check_oracle([2, 6], [(rng.normal(size=(8, FEATURES)) * 3 + 1).astype(np.float32) for _ in range(STEPS)],
-                  tape=True, dynamic=dynamic)
+                  tape=True, dynamic=dynamic, under_updates=under_updates)
+
+
+@pytest.mark.parametrize("kind", ["applied_twice", "chained", "two_streams"])
+def test_one_device_tape_programs_are_no_towers(kind):
+    """On one device, moments layers differentiated by one tape keep the tower rule's verdict
+    (one gradient computation; chained layers), now that their gradients are found: bnrewrite
+    run leaves them as they are."""
+    from bnrewrite import NotReplicasError
+
+    graph = tf.Graph()
+    with graph.as_default():
+        a, b = (tf1.placeholder(tf.float32, [4, FEATURES], name=name) for name in "ab")
+
+        def net(x, scope):
+            with tf1.variable_scope(scope, reuse=tf1.AUTO_REUSE):
+                return batch_normalization(tf.matmul(x, tf1.get_variable("kernel", [FEATURES, UNITS])), training=True)
+
+        with tf.GradientTape() as tape:
+            if kind == "chained":
+                out = net(tf.matmul(net(a, "l1"), tf.ones([UNITS, FEATURES])), "l2")
+            else:
+                out = net(a, "net") - net(b, "net" if kind == "applied_twice" else "other")
+            loss = tf.reduce_mean(tf.square(out))
+        variables = tf1.trainable_variables()
+        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+            tf1.train.GradientDescentOptimizer(0.1).apply_gradients(zip(tape.gradient(loss, variables), variables))
+    with pytest.raises(NotReplicasError, match="feeds batch norm" if kind == "chained" else "from one gradient computation"):
+        rewrite_graph(graph)
 
 
 def _check_oracle(sizes: list[int], data: list, **kwargs: bool) -> None:

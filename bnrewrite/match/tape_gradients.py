@@ -47,8 +47,10 @@ def _pair(graph: Graph, sub: str, operands: list[tuple[str, int]]) -> tuple[str,
     node = graph.node(sub)
     if node.op != "Sub" or graph.inputs(sub) != operands:
         return None
-    waits = [spec[1:] for spec in node.input if spec.startswith("^")]
-    if len(waits) != 1 or _entry(graph, waits[0]) is None:
+    # one wait is the variance's gradient; others come from a `control_dependencies` the
+    # gradient was built under (`with control_dependencies(UPDATE_OPS): minimize(loss)`)
+    waits = [spec[1:] for spec in node.input if spec.startswith("^") and _entry(graph, spec[1:]) is not None]
+    if len(waits) != 1:
         return None
     variance_divide = waits[0]
     found = set()
