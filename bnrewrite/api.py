@@ -98,8 +98,22 @@ def _signals_held() -> Iterator[None]:
                 signal.signal(signum, lambda number, frame: held.setdefault(number, frame))
         yield
     finally:
+        # Every handler back, even when a handler raises meanwhile: `signal.signal` first runs the
+        # handlers of signals that arrived (in any thread) and changes nothing when one raises, and
+        # a handler put back early may raise between two steps. Each step is retried until all are
+        # back, then the first exception is raised. Inline, of built-in calls only: no Python
+        # function of bnrewrite's runs (to be interrupted itself) until the handlers are back.
+        pending, first = list(handlers.items()), None
+        while pending:
+            try:
+                while pending:
+                    signal.signal(*pending[0])
+                    del pending[0]
+            except BaseException as exc:  # a KeyboardInterrupt too: raised once all are back
+                first = first or exc
         try:
-            _each(list(handlers.items()), lambda item: signal.signal(*item))
+            if first is not None:
+                raise first
         finally:
             _each(list(held.items()), lambda item: handlers[item[0]](*item))
 
