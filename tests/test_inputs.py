@@ -493,17 +493,19 @@ def _interrupted_at(message, n: int, how: str) -> tuple[int, bool]:
 def test_in_place_interrupted_anywhere_leaves_the_input_as_it_was(base, kind):
     """Interrupt at points spread over the whole rewrite and at every one of the last calls
     (the final assembly): the message is equal to before (deterministic bytes: a map's order
-    is not part of a message), or the rewrite completed."""
+    is not part of a message), or the rewrite completed; SIGINT's handler is the one before."""
     original = base if kind == "graph_def" else _meta_of(base)
     rewrite_graph(_copy(original))  # a first rewrite fills caches: the calls counted next are those of every run
     total, _ = _interrupted_at(_copy(original), 0, "raise")
     points = sorted({*range(1, total, max(1, total // 40)), *range(max(1, total - 60), total + 1)})
     before = original.SerializeToString(deterministic=True)
     interrupted, completed = 0, []
+    handler = signal.getsignal(signal.SIGINT)
     for n in points:
         for how in ("raise", "signal") if n > total - 60 else ("raise",):
             message = _copy(original)
             calls, stopped = _interrupted_at(message, n, how)
+            assert signal.getsignal(signal.SIGINT) is handler, (n, how)  # put back, whatever was interrupted
             if stopped:
                 interrupted += 1
                 assert message.SerializeToString(deterministic=True) == before, (n, how)
