@@ -11,9 +11,9 @@ with its real training step in the same run (fed `feed(before values)`), and `af
 read-only run; `evaluate` then checks in numpy (float64) that the rewrite's
 global moments are those of all towers' inputs together, every tower's output matches, and each
 moving statistic equals one application of its kept update (of each, for a network applied
-several times per tower: one per application, in an order the program leaves open), which moves
-it by one factor for all channels toward the global statistic; one whose update the step does not run (the script's
-own wiring) must be unchanged, and is reported as not updated. Only a few numbers per layer
+several times per tower: one per application, in an order the program leaves open), which
+moves it by one factor for all channels toward the global statistic; one whose update the step
+does not run (the script's own wiring) must be unchanged, and is reported as not updated. Only a few numbers per layer
 leave the devices. Invariant: a check that passes has seen every value it vouches for and every
 training batch-norm layer of the graph is synchronized; one that fails raises PassError naming
 the layer, the tower and the figure, or UnsyncedLayerError naming the layers the rewrite skipped.
@@ -465,15 +465,17 @@ def _partners(per_layer: list[list[_Update]]) -> dict[str, list[_Update]]:
     return {u.node: [o for j, o in same if j != i] for same in by_variable.values() for i, u in same}
 
 
-def _runs(old: np.ndarray, u: _Update, others: list[_Update], value: dict[str, np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """What `u` and `others` leave in the variable, each run once on it, and the values `u` may
-    have read (old, or old after any of the others: the program leaves their order open)."""
-    if u.sign == 0 or any(o.sign == 0 for o in others):  # assigns: the last one's value stays
-        return value[u.value], [old]
+def _runs(old: np.ndarray, u: _Update, others: list[_Update],
+          value: dict[str, np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """What `u` and `others` may leave in the variable, each run once on it, and the values `u`
+    may have read (old, or old after any of the others): the program leaves their order open,
+    so an assign's value or any of its partners' may be the last."""
+    if u.sign == 0 or any(o.sign == 0 for o in others):
+        return [value[w.value] for w in (u, *others) if w.sign == 0], [old]
     left = old + u.sign * value[u.value] + sum(o.sign * value[o.value] for o in others)
     reads = [old + sum(o.sign * value[o.value] for o in chosen)
              for size in range(len(others) + 1) for chosen in itertools.combinations(others, size)]
-    return left, reads
+    return [left], reads
 
 
 def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any], after: dict[str, Any],
@@ -514,8 +516,8 @@ def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any],
             updates.append(f"{_short(u.variable)} not updated (the step does not run {u.node})")
             continue
         others = partners.get(u.node, [])
-        left, reads = _runs(old, u, others, value)
-        once = float(np.max(np.abs(new - left) / (np.abs(old) + np.abs(left) + _TINY)))
+        lefts, reads = _runs(old, u, others, value)
+        once = min(float(np.max(np.abs(new - left) / (np.abs(old) + np.abs(left) + _TINY))) for left in lefts)
         runs = f"one run of its update {u.node}" + "".join(f" and one of {o.node}" for o in others)
         _require(once <= moments_tolerance, (
             f"layer {row.layer}: {u.variable} is not what {runs} writes: off by {once:.2e} "

@@ -61,7 +61,7 @@ def split_applications(
     def by_name(s: Site) -> str:
         return role(s.name, scope_of(s))
 
-    rank = {n: i for i, n in enumerate(graph.sorted_topologically(s.name for _, members, _ in repeated for s in members))}
+    rank = {name: i for i, name in enumerate(graph.sorted_topologically(applied))}
     skips: list[Skip] = []
     split: list[str] = []
     for name, members, how in sorted(repeated, key=lambda c: min(rank[s.name] for s in c[1])):

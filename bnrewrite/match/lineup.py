@@ -91,8 +91,8 @@ def _applied_alike(members: list[Site], tower: dict[str, str], ids: list[str], v
         per_tower[tower[s.name]].append(s)
     if sorted(per_tower) != sorted(ids) or len({len(sites) for sites in per_tower.values()}) != 1:
         return False
-    return all(len(sites) > 1 and variables[sites[0].name] and all(variables[s.name] == variables[sites[0].name] for s in sites)
-               for sites in per_tower.values())
+    return all(len(sites) > 1 and variables[sites[0].name]
+               and all(variables[s.name] == variables[sites[0].name] for s in sites) for sites in per_tower.values())
 
 
 def _by_structure(

@@ -60,8 +60,8 @@ def _pair(graph: Graph, sub: str, operands: list[tuple[str, int]]) -> tuple[str,
         for total in graph.consumers.get(product, ()):
             if graph.node(total).op not in _SUMS:
                 continue
-            found.update(src for src, _ in graph.inputs(total)
-                         if src != product and _entry(graph, src) is not None and _same_count(graph, src, variance_divide))
+            found.update(src for src, _ in graph.inputs(total) if src != product
+                         and _entry(graph, src) is not None and _same_count(graph, src, variance_divide))
     if len(found) != 1:
         return None
     return _entry(graph, found.pop()), _entry(graph, variance_divide)  # type: ignore[return-value]

@@ -3,8 +3,8 @@
 After `sync_forward` every tower's batch statistics are the global ones, so when K towers
 update the same shared variable, one update (the first tower's) is the right one and the
 other K-1 are removed (a layer each tower applies m times keeps m, one per application, as
-one device running it m times would), together with the arithmetic that only fed them and the reads that
-only waited on them. Every edge to a removed update, data or control, moves to the kept
+one device running it m times would), together with the arithmetic that only fed them and
+the reads that only waited on them. Every edge to a removed update, data or control, moves to the kept
 update of the same variable: a target that ran any tower's update of a variable (the first
 tower's, the last one's, all of them) runs the kept one, once. Towers that own their own
 copy of a statistic keep their update: each copy gets the global value.
