@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from bnrewrite.names import parse_input
+
 #: Op types that write a variable's value (optimizers' updates and assigns).
 _WRITERS = ("Apply", "ResourceApply", "SparseApply", "ResourceSparseApply", "Assign", "ScatterUpdate",
             "ScatterAdd", "ScatterSub", "ResourceScatter")
@@ -115,11 +117,7 @@ class _Outputs:
     def __call__(self, names: list[str]) -> list[Any]:
         from tensorflow.python.framework import c_api_util
 
-        found = []
-        for name in names:
-            op, _, index = name.rpartition(":")
-            found.append(c_api_util.tf_output(self.ops[op], int(index)))
-        return found
+        return [c_api_util.tf_output(self.ops[op], index) for op, index in map(parse_input, names)]
 
 
 def _read(session: Any, outputs: list[Any]) -> list[Any]:

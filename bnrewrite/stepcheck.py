@@ -1,22 +1,24 @@
 """Proof on one step that a rewritten graph normalized every synced layer with the global batch's
 statistics and moved each moving statistic exactly once toward them.
 
-`build` adds check ops under `bnrewrite_verify/` to the C graph of a tf.Graph holding the rewritten
-graph; they share no op with the rewrite's and write no variable. Per layer and tower they compute, on the
-tower's device, float64 per-channel sums of x and x^2 (from the layer's input), max |x|, and
-max |y - y_hat| with y_hat computed in float64 from x, gamma, beta, epsilon and the global
-moments the rewrite made (those of the sync group's first tower, for all its towers); the output's figure is that over the channel's largest term. The caller fetches
+`build` adds check ops under `bnrewrite_verify/` to the C graph of a tf.Graph holding the
+rewritten graph; they share no op with the rewrite's and write no variable. Per layer and tower
+they compute, on the tower's device, float64 per-channel sums of x and x^2 (from the layer's
+input), max |x|, and max |y - y_hat| with y_hat computed in float64 from x, gamma, beta, epsilon
+and the global moments the rewrite made (those of the sync group's first tower, for all its
+towers); the output's figure is that over the channel's largest term. The caller fetches
 `before` (moving statistics; reference variables' gamma and beta) in a read-only run, `step`
 with its real training step in the same run (fed `feed(before values)`), and `after` in a
-read-only run; `evaluate` then checks in numpy (float64) that the rewrite's
-global moments are those of all towers' inputs together, every tower's output matches, and each
-moving statistic equals one application of its kept update (of each, for a network applied
-several times per tower: one per application, in an order the program leaves open), which
-moves it by one factor for all channels toward the global statistic; one whose update the step
-does not run (the script's own wiring) must be unchanged, and is reported as not updated. Only a few numbers per layer
-leave the devices. Invariant: a check that passes has seen every value it vouches for and every
-training batch-norm layer of the graph is synchronized; one that fails raises PassError naming
-the layer, the tower and the figure, or UnsyncedLayerError naming the layers the rewrite skipped.
+read-only run; `evaluate` then checks in numpy (float64) that the rewrite's global moments are
+those of all towers' inputs together, every tower's output matches, and each moving statistic
+equals one application of its kept update (of each, for a network applied several times per
+tower: one per application, in an order the program leaves open), which moves it by one factor
+for all channels toward the global statistic; one whose update the step does not run (the
+script's own wiring) must be unchanged, and is reported as not updated. Only a few numbers per
+layer leave the devices. Invariant: a check that passes has seen every value it vouches for and
+every training batch-norm layer of the graph is synchronized; one that fails raises PassError
+naming the layer, the tower and the figure, or UnsyncedLayerError naming the layers the rewrite
+skipped.
 """
 
 from __future__ import annotations

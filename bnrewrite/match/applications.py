@@ -39,10 +39,12 @@ def split_applications(
     one per application (named after the application's own scope); the skips of those whose
     applications cannot be told apart; a line for the report on each layer split. Layers
     applied a different number of times in different towers are left for towers.py to skip."""
-    repeated = [c for c in candidates if _applied(c[1], tower, ids) > 1]
+    repeated: list[Candidate] = []
+    kept: list[Candidate] = []
+    for candidate in candidates:
+        (repeated if _applied(candidate[1], tower, ids) > 1 else kept).append(candidate)
     if not repeated:
         return candidates, [], []
-    kept = [c for c in candidates if not any(c is r for r in repeated)]
     group_of = {s.name: i for i, (_, members, _) in enumerate(kept) for s in members}
     everything = [s.name for _, members, _ in candidates for s in members]
     applied = [s.name for _, members, _ in repeated for s in members]
