@@ -1,8 +1,9 @@
 """One-device programs that are not multi-tower run exactly as under python (issue 38).
 
-tests/scripts/one_device_cases.py builds nine of them the usual ways (two plain tf.layers batch
+tests/scripts/one_device_cases.py builds sixteen of them the usual ways (two plain tf.layers batch
 norms, layers named bn1/bn2, two streams, a Siamese net, a GAN, an encoder/decoder, a mean
-teacher, an ensemble, a tf_keras Sequential's fit) and trains each a few steps. Run under plain python and
+teacher, an ensemble, a tf_keras Sequential's fit, and one network applied to two batches inside
+one summed loss in seven forms, issue 49) and trains each a few steps. Run under plain python and
 under `bnrewrite run`, every variable must be bit-identical, with one line per graph saying why
 it runs unchanged; in process the same through `enable()` and `rewrite_graph(g, in_place=True)`;
 `convert` refuses them with the same reason (exit 6). With `--tower-by scope` the user overrides
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -42,6 +44,15 @@ WHY = {
     "mean_teacher": "tower teacher has no gradient of its own batch norms",
     "ensemble": "the towers (model_a, model_b) train independent models",
     "keras_fit": "batch_normalization/cond/_fn_then/FusedBatchNormV3 feeds batch norm batch_normalization_1/",
+    **dict.fromkeys(("semi_supervised", "two_cross_entropies"), "towers net and net_1 take their batch-norm gradients "
+                    "from one gradient computation (both from gradients/grad_ys_0)"),
+    "gan_discriminator_step": "towers discriminator and discriminator_1 take their batch-norm gradients from one "
+                              "gradient computation (both from gradients/grad_ys_0)",
+    **dict.fromkeys(("per_domain", "weighted_add_n"), "towers net and net_1 take their batch-norm gradients from one "
+                    "gradient computation (both from gradients/grad_ys_0)"),
+    "mean_over_concat": "towers net and net_1 take their batch-norm gradients from one gradient computation",
+    "keras_shared_encoder": "towers encoder and encoder_1 take their batch-norm gradients from one gradient "
+                            "computation (both from training/SGD/gradients/gradients/grad_ys_0)",
 }
 
 
@@ -119,26 +130,29 @@ def _train(cases, names: list[str]) -> dict[str, np.ndarray]:
     return values
 
 
-def test_convert_refuses_them_with_the_reason_and_tower_by_scope_overrides(tmp_path, capsys):
+@pytest.mark.parametrize("name", ["siamese", "semi_supervised", "mean_over_concat"])
+def test_convert_refuses_them_with_the_reason_and_tower_by_scope_overrides(tmp_path, capsys, name: str):
+    """A difference of the two applications' outputs, a summed loss, and a mean over their
+    concatenation: one gradient computation each, whatever its arithmetic (issue 49)."""
     cases = _cases()
     graph = tf.Graph()
     with graph.as_default():
         cases.keras.utils.set_random_seed(0)
-        cases.siamese()
-    with pytest.raises(bnrewrite.NotReplicasError, match=WHY["siamese"]) as refused:
+        cases.CASES[name]()
+    with pytest.raises(bnrewrite.NotReplicasError, match=re.escape(WHY[name])) as refused:
         rewrite_graph(graph)
     assert isinstance(refused.value, bnrewrite.NoTowersError) and "\n" not in str(refused.value)
-    source = tmp_path / "siamese.pb"
+    source = tmp_path / f"{name}.pb"
     source.write_bytes(graph.as_graph_def().SerializeToString())
     assert main(["convert", str(source), str(tmp_path / "out.pb")]) == 6
     error = capsys.readouterr().err.strip()
-    assert WHY["siamese"] in error and "\n" not in error and not (tmp_path / "out.pb").exists()
+    assert WHY[name] in error and "\n" not in error and not (tmp_path / "out.pb").exists()
     # The user says they are towers: synchronized, and the program trains otherwise (so the rule,
     # not luck, keeps it as written).
     assert rewrite_graph(graph, tower_by="scope").report.towers == ["net", "net_1"]
-    plain = _train(cases, ["siamese"])
+    plain = _train(cases, [name])
     with bnrewrite.enabled(tower_by="scope", quiet=True):
-        synced = _train(cases, ["siamese"])
+        synced = _train(cases, [name])
     moved = max(float(np.abs(synced[k] - plain[k]).max()) for k in synced)
     assert moved > 1e-3
 

@@ -15,8 +15,10 @@ of the graph tell them apart, whatever the names:
 2. on one device (or none), where only names told the towers apart, each tower's batch-norm
    gradients must come from a gradient computation of its own: every `tf.gradients` call (and
    tape) seeds its loss with ones made from constants and shapes alone (`Fill`, `OnesLike`), so
-   two towers whose gradients reach one seed were differentiated as one loss. Towers on distinct
-   devices need no such proof (Keras' `multi_gpu_model` takes one loss over all of them).
+   two towers whose gradients reach one seed were differentiated as one loss, whatever its
+   arithmetic (a difference, a sum, weights, a mean over a concat: the walk goes on through
+   values made of that seed and shapes). Towers on distinct devices need no such proof (Keras'
+   `multi_gpu_model` takes one loss over all of them).
 
 Invariant: "" only for towers that neither feed each other nor, on one device, share a seed.
 Both checks are walks over the nodes the sites reach: linear in the graph.
@@ -32,6 +34,10 @@ from bnrewrite.nodes import outer_node
 #: Ops whose output does not depend on their inputs' values (only on shapes, or nothing).
 _VALUE_FREE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike", "BroadcastArgs"})
 _CONSTANT_OPS = frozenset({"Const", "HostConst"})
+#: Ops that start a gradient computation: `tf.gradients`' default `grad_ys`, a tape's ones.
+_SEED_OPS = frozenset({"Fill", "OnesLike"})
+#: Ops whose value is fed at run time even where their inputs are constants (Keras' learning phase).
+_FED_OPS = frozenset({"PlaceholderWithDefault"})
 
 
 def not_replicas(graph: Graph, sites: list[Site], tower: dict[str, str], ids: list[str], one_device: bool) -> str:
@@ -79,10 +85,10 @@ def _one_gradient_computation(graph: Graph, sites: list[Site], tower: dict[str, 
     """Why the towers' batch-norm gradients do not come from one gradient computation per tower, or ""."""
     value_free: dict[str, bool] = {}
     forward: set[str] = set()  # value-free nodes the forward pass reads: no gradient's seed
-    _ancestors(graph, {outer_node(n) for s in sites for n in (s.name, s.variance) if n}, value_free, forward)
+    _ancestors(graph, {_walkable(graph, n) for s in sites for n in (s.name, s.variance) if n}, value_free, forward)
     seeds: dict[str, set[str]] = {}
     for t in ids:
-        grads = {outer_node(n) for s in sites if tower[s.name] == t for n in (*s.grads, *s.variance_grads)}
+        grads = {_walkable(graph, n) for s in sites if tower[s.name] == t for n in (*s.grads, *s.variance_grads)}
         if not grads:
             return (f"tower {t} has no gradient of its own batch norms while they run in training mode (a teacher "
                     f"or target network, or separate models), and on one device nothing but names tells "
@@ -93,10 +99,11 @@ def _one_gradient_computation(graph: Graph, sites: list[Site], tower: dict[str, 
         seeds[t] = found - forward
     owner: dict[str, str] = {}
     for t in ids:
-        for seed in sorted(seeds[t]):
+        for seed in sorted(seeds[t], key=lambda name: (graph.node(name).op not in _SEED_OPS, name)):
             if seed in owner and owner[seed] != t:
                 return (f"towers {owner[seed]} and {t} take their batch-norm gradients from one gradient computation "
-                        f"(both from {seed}): one loss over both, as a network applied twice (Siamese, a "
+                        f"(both from {seed}): one loss over both (a sum, a difference, any arithmetic), as a network applied "
+                        "twice (Siamese, a "
                         "discriminator on real and generated data) or separate networks trained together; on one "
                         "device that is not data parallelism: each replica computes its own loss and gradients. "
                         "Give --tower-by scope (tower_by='scope') if they are replicas")
@@ -104,22 +111,32 @@ def _one_gradient_computation(graph: Graph, sites: list[Site], tower: dict[str, 
     return ""
 
 
+def _walkable(graph: Graph, name: str) -> str:
+    """`name` where the graph holds it (a flattened branch's node), else the call that holds it."""
+    return name if name in graph else outer_node(name)
+
+
 def _ancestors(graph: Graph, starts: set[str], value_free: dict[str, bool], seeds: set[str]) -> None:
     """Adds to `seeds` the value-free computed nodes (not constants) among the data ancestors of
-    `starts`, walking through the others."""
-    seen, stack = set(starts), list(starts)
+    `starts`: those reached through data, and the value-free ones above them up to the seed a
+    gradient computation starts from (a summed loss's branches take values made of the one seed
+    and shapes: `Fill` -> `add_grad`, `Mul` by a constant weight, a concat's `Slice`)."""
+    seen, stack = set(starts), [(name, False) for name in starts]
     while stack:
-        name = stack.pop()
+        name, within = stack.pop()  # within: a value-free node, whose data inputs are not walked
         for spec in graph.node(name).input:
             src, out = parse_input(spec)
             if out < 0 or src in seen:
                 continue
-            if _value_free(graph, src, value_free):
-                if graph.node(src).op not in _CONSTANT_OPS:
-                    seeds.add(src)
+            free = _value_free(graph, src, value_free)
+            if within and not free:
                 continue
             seen.add(src)
-            stack.append(src)
+            if free and graph.node(src).op in _CONSTANT_OPS:
+                continue
+            if free:
+                seeds.add(src)
+            stack.append((src, free))
 
 
 def _value_free(graph: Graph, name: str, memo: dict[str, bool]) -> bool:
@@ -131,6 +148,10 @@ def _value_free(graph: Graph, name: str, memo: dict[str, bool]) -> bool:
             stack.pop()
             continue
         node = graph.node(current)
+        if node.op in _FED_OPS:
+            memo[current] = False
+            stack.pop()
+            continue
         if node.op in _CONSTANT_OPS or node.op in _VALUE_FREE_OPS:
             memo[current] = True
             stack.pop()

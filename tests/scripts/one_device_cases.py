@@ -2,9 +2,11 @@
 
 `python one_device_cases.py OUT.npz [CASE ...]` builds every case (or those named) in a graph of
 its own, trains it with its own session and writes every variable to OUT.npz as CASE/variable.
-Under `bnrewrite run` each graph must run exactly as under python (issue 38): layers of one model,
-two streams, a Siamese net, a GAN, an encoder/decoder, a mean teacher, an ensemble, a Keras
-Sequential's fit.
+Under `bnrewrite run` each graph must run exactly as under python (issues 38, 49): layers of one
+model, two streams, a Siamese net, a GAN, an encoder/decoder, a mean teacher, an ensemble, a Keras
+Sequential's fit, and one network applied to two batches inside one summed loss (semi-supervised,
+two cross-entropies, a discriminator step, per-domain passes, tf.add_n, a mean over a concat, a
+Keras model calling its encoder on two inputs).
 """
 
 from __future__ import annotations
@@ -188,8 +190,104 @@ def keras_fit() -> dict[str, np.ndarray]:
     return {w.name: value for w, value in zip(model.weights, model.get_weights())}
 
 
+def _shared_net(x: tf.Tensor, outputs: int = 3) -> tf.Tensor:
+    """One network (its scope re-entered with AUTO_REUSE) from images to `outputs` logits."""
+    with tf1.variable_scope("net", reuse=tf1.AUTO_REUSE):
+        return layers.dense(tf.reduce_mean(_block(_block(x, 4, "a"), 4, "b"), [1, 2]), outputs)
+
+
+def _labels(seed: int) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, 3, (STEPS, BATCH)).astype(np.int32)
+
+
+def _settled(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`values` less the moving statistics that both applications of a network update in one
+    step: the program leaves the order of the two updates open, and python's own runs differ there."""
+    return {name: value for name, value in values.items() if "/moving_" not in name}
+
+
+def semi_supervised() -> dict[str, np.ndarray]:
+    """Entropy minimisation: one network on a labelled and an unlabelled batch, loss = sup + 0.1 * ent."""
+    labelled, unlabelled = (tf1.placeholder(tf.float32, [BATCH, 6, 6, 3]) for _ in range(2))
+    labels = tf1.placeholder(tf.int32, [BATCH])
+    supervised = tf1.losses.sparse_softmax_cross_entropy(labels, _shared_net(labelled))
+    p = tf.nn.softmax(_shared_net(unlabelled))
+    entropy = -tf.reduce_mean(tf.reduce_sum(p * tf.math.log(p + 1e-8), 1))
+    feeds = [(labelled, _images(14)), (unlabelled, _images(15)), (labels, _labels(14))]
+    return _settled(_train(supervised + 0.1 * entropy, feeds))
+
+
+def two_cross_entropies() -> dict[str, np.ndarray]:
+    """One network on two labelled batches, the two cross-entropies summed."""
+    images = [tf1.placeholder(tf.float32, [BATCH, 6, 6, 3]) for _ in range(2)]
+    labels = [tf1.placeholder(tf.int32, [BATCH]) for _ in range(2)]
+    loss = sum(tf1.losses.sparse_softmax_cross_entropy(y, _shared_net(x)) for x, y in zip(images, labels))
+    feeds = [(images[0], _images(16)), (images[1], _images(17)), (labels[0], _labels(16)), (labels[1], _labels(17))]
+    return _settled(_train(loss, feeds))
+
+
+def gan_discriminator_step() -> dict[str, np.ndarray]:
+    """A discriminator on real and generated images, `minimize(d_loss)` under both applications' UPDATE_OPS."""
+    real, noise = (tf1.placeholder(tf.float32, [BATCH, 6, 6, 3]) for _ in range(2))
+    with tf1.variable_scope("generator"):
+        fake = layers.conv2d(noise, 3, 3, padding="same")
+    with tf1.variable_scope("discriminator", reuse=tf1.AUTO_REUSE):
+        real_logits = layers.dense(tf.reduce_mean(_block(real, 4, "a"), [1, 2]), 1)
+    with tf1.variable_scope("discriminator", reuse=tf1.AUTO_REUSE):
+        fake_logits = layers.dense(tf.reduce_mean(_block(fake, 4, "a"), [1, 2]), 1)
+    xent = tf.nn.sigmoid_cross_entropy_with_logits
+    d_loss = tf.reduce_mean(xent(labels=tf.ones_like(real_logits), logits=real_logits)) + tf.reduce_mean(
+        xent(labels=tf.zeros_like(fake_logits), logits=fake_logits))
+    with tf.control_dependencies(_updates()):
+        train_op = tf1.train.AdamOptimizer(1e-2).minimize(d_loss, var_list=tf1.trainable_variables("discriminator"))
+    return _settled(_loop(train_op, [(real, _images(18)), (noise, _images(19))]))
+
+
+def per_domain() -> dict[str, np.ndarray]:
+    """Domain adaptation: a source and a target batch through one network, the source's
+    cross-entropy and a feature-matching term on both summed."""
+    source, target = (tf1.placeholder(tf.float32, [BATCH, 6, 6, 3]) for _ in range(2))
+    labels = tf1.placeholder(tf.int32, [BATCH])
+    source_out, target_out = _shared_net(source), _shared_net(target)
+    matching = tf.reduce_sum(tf.square(tf.reduce_mean(source_out, 0) - tf.reduce_mean(target_out, 0)))
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, source_out) + matching
+    return _settled(_train(loss, [(source, _images(20)), (target, _images(21, 3) * 0.5), (labels, _labels(20))]))
+
+
+def weighted_add_n() -> dict[str, np.ndarray]:
+    """Two applications' losses weighted by a fed scalar and summed with tf.add_n."""
+    left, right = (tf1.placeholder(tf.float32, [BATCH, 6, 6, 3]) for _ in range(2))
+    weight = tf1.placeholder_with_default(0.3, [])
+    loss = tf.add_n([tf.reduce_mean(tf.square(_shared_net(left))), weight * tf.reduce_mean(tf.abs(_shared_net(right)))])
+    return _settled(_train(loss, [(left, _images(22)), (right, _images(23))]))
+
+
+def mean_over_concat() -> dict[str, np.ndarray]:
+    """One network on two batches of unknown size, the loss a mean over the concatenated per-example terms."""
+    left, right = (tf1.placeholder(tf.float32, [None, 6, 6, 3]) for _ in range(2))
+    terms = tf.concat([tf.square(_shared_net(left)), tf.square(_shared_net(right) - 1.0)], 0)
+    return _settled(_train(tf.reduce_mean(terms), [(left, _images(24)), (right, _images(25))]))
+
+
+def keras_shared_encoder() -> dict[str, np.ndarray]:
+    """A tf_keras two-input model whose encoder (with batch norm) is called on both inputs: compile, then fit."""
+    encoder = keras.Sequential([
+        keras.layers.Conv2D(4, 3, use_bias=False, input_shape=(6, 6, 3)), keras.layers.BatchNormalization(),
+        keras.layers.ReLU(), keras.layers.GlobalAveragePooling2D(),
+    ], name="encoder")
+    inputs = [keras.Input((6, 6, 3)) for _ in range(2)]
+    outputs = keras.layers.Dense(1)(keras.layers.concatenate([encoder(x) for x in inputs]))
+    model = keras.Model(inputs, outputs)
+    model.compile(keras.optimizers.legacy.SGD(0.1, momentum=0.9), "mse")
+    images = [_images(seed).reshape(STEPS * BATCH, 6, 6, 3) for seed in (26, 27)]
+    model.fit(images, np.ones((STEPS * BATCH, 1), np.float32), batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    return _settled({w.name: value for w, value in zip(model.weights, model.get_weights())})
+
+
 CASES = {f.__name__: f for f in (two_plain_layers, named_layers, two_streams, siamese, gan, encoder_decoder,
-                                mean_teacher, ensemble, keras_fit)}
+                                mean_teacher, ensemble, keras_fit, semi_supervised, two_cross_entropies,
+                                gan_discriminator_step, per_domain, weighted_add_n, mean_over_concat,
+                                keras_shared_encoder)}
 
 
 def main(out: str, names: list[str]) -> None:
