@@ -1,9 +1,9 @@
 """One-device programs that are not multi-tower run exactly as under python (issue 38).
 
-tests/scripts/one_device_cases.py builds sixteen of them the usual ways (two plain tf.layers batch
+tests/scripts/one_device_cases.py builds seventeen of them the usual ways (two plain tf.layers batch
 norms, layers named bn1/bn2, two streams, a Siamese net, a GAN, an encoder/decoder, a mean
 teacher, an ensemble, a tf_keras Sequential's fit, and one network applied to two batches inside
-one summed loss in seven forms, issue 49) and trains each a few steps. Run under plain python and
+one summed loss in eight forms, issue 49) and trains each a few steps. Run under plain python and
 under `bnrewrite run`, every variable must be bit-identical, with one line per graph saying why
 it runs unchanged; in process the same through `enable()` and `rewrite_graph(g, in_place=True)`;
 `convert` refuses them with the same reason (exit 6). With `--tower-by scope` the user overrides
@@ -51,6 +51,8 @@ WHY = {
     **dict.fromkeys(("per_domain", "weighted_add_n"), "towers net and net_1 take their batch-norm gradients from one "
                     "gradient computation (both from gradients/grad_ys_0)"),
     "mean_over_concat": "towers net and net_1 take their batch-norm gradients from one gradient computation",
+    "tape_summed_loss": "towers net and net_1 take their batch-norm gradients from one gradient computation (both "
+                        "from ones)",
     "keras_shared_encoder": "towers encoder and encoder_1 take their batch-norm gradients from one gradient "
                             "computation (both from training/SGD/gradients/gradients/grad_ys_0)",
 }
@@ -130,10 +132,11 @@ def _train(cases, names: list[str]) -> dict[str, np.ndarray]:
     return values
 
 
-@pytest.mark.parametrize("name", ["siamese", "semi_supervised", "mean_over_concat"])
+@pytest.mark.parametrize("name", ["siamese", "semi_supervised", "mean_over_concat", "tape_summed_loss"])
 def test_convert_refuses_them_with_the_reason_and_tower_by_scope_overrides(tmp_path, capsys, name: str):
-    """A difference of the two applications' outputs, a summed loss, and a mean over their
-    concatenation: one gradient computation each, whatever its arithmetic (issue 49)."""
+    """A difference of the two applications' outputs, a summed loss, a mean over their
+    concatenation, a tape's summed loss: one gradient computation each, whatever its arithmetic
+    (issue 49)."""
     cases = _cases()
     graph = tf.Graph()
     with graph.as_default():

@@ -14,7 +14,8 @@ of the graph tell them apart, whatever the names:
    would close a cycle;
 2. on one device (or none), where only names told the towers apart, each tower's batch-norm
    gradients must come from a gradient computation of its own: every `tf.gradients` call (and
-   tape) seeds its loss with ones made from constants and shapes alone (`Fill`, `OnesLike`), so
+   tape) seeds its loss with ones made from constants and shapes alone (`Fill`, `OnesLike`, a
+   tape's constant `ones`), so
    two towers whose gradients reach one seed were differentiated as one loss, whatever its
    arithmetic (a difference, a sum, weights, a mean over a concat: the walk goes on through
    values made of that seed and shapes). Towers on distinct devices need no such proof (Keras'
@@ -26,6 +27,12 @@ Both checks are walks over the nodes the sites reach: linear in the graph.
 
 from __future__ import annotations
 
+import math
+
+from tensorflow.core.framework import types_pb2
+from tensorflow.core.framework.node_def_pb2 import NodeDef
+from tensorflow.python.framework import tensor_util
+
 from bnrewrite.graph import Graph
 from bnrewrite.names import parse_input
 from bnrewrite.match.census import Site
@@ -36,6 +43,7 @@ _VALUE_FREE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "OnesLike", "Zer
 _CONSTANT_OPS = frozenset({"Const", "HostConst"})
 #: Ops that start a gradient computation: `tf.gradients`' default `grad_ys`, a tape's ones.
 _SEED_OPS = frozenset({"Fill", "OnesLike"})
+_FLOATS = frozenset({types_pb2.DT_HALF, types_pb2.DT_BFLOAT16, types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE})
 #: Ops whose value is fed at run time even where their inputs are constants (Keras' learning phase).
 _FED_OPS = frozenset({"PlaceholderWithDefault"})
 
@@ -133,10 +141,22 @@ def _ancestors(graph: Graph, starts: set[str], value_free: dict[str, bool], seed
                 continue
             seen.add(src)
             if free and graph.node(src).op in _CONSTANT_OPS:
+                if _ones(graph.node(src)):  # a tape's seed: `ones` folded to a constant for a scalar loss
+                    seeds.add(src)
                 continue
             if free:
                 seeds.add(src)
             stack.append((src, free))
+
+
+def _ones(node: NodeDef) -> bool:
+    """Whether a constant holds a few floating-point ones and nothing else (what
+    `tf.GradientTape` seeds a scalar loss with in graph mode)."""
+    tensor = node.attr["value"].tensor if "value" in node.attr else None
+    if tensor is None or tensor.dtype not in _FLOATS or math.prod(d.size for d in tensor.tensor_shape.dim) > 16:
+        return False
+    value = tensor_util.MakeNdarray(tensor)
+    return bool(value.size) and bool((value == 1).all())
 
 
 def _value_free(graph: Graph, name: str, memo: dict[str, bool]) -> bool:

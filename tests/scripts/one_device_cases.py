@@ -6,7 +6,7 @@ Under `bnrewrite run` each graph must run exactly as under python (issues 38, 49
 model, two streams, a Siamese net, a GAN, an encoder/decoder, a mean teacher, an ensemble, a Keras
 Sequential's fit, and one network applied to two batches inside one summed loss (semi-supervised,
 two cross-entropies, a discriminator step, per-domain passes, tf.add_n, a mean over a concat, a
-Keras model calling its encoder on two inputs).
+tape, a Keras model calling its encoder on two inputs).
 """
 
 from __future__ import annotations
@@ -269,6 +269,17 @@ def mean_over_concat() -> dict[str, np.ndarray]:
     return _settled(_train(tf.reduce_mean(terms), [(left, _images(24)), (right, _images(25))]))
 
 
+def tape_summed_loss() -> dict[str, np.ndarray]:
+    """One network on two batches, a tf.GradientTape over the summed loss (its seed a constant `ones`)."""
+    left, right = (tf1.placeholder(tf.float32, [BATCH, 6, 6, 3]) for _ in range(2))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(_shared_net(left))) + 0.5 * tf.reduce_mean(tf.abs(_shared_net(right)))
+    variables = tf1.trainable_variables()
+    with tf.control_dependencies(_updates()):
+        train_op = tf1.train.MomentumOptimizer(0.1, 0.9).apply_gradients(zip(tape.gradient(loss, variables), variables))
+    return _settled(_loop(train_op, [(left, _images(28)), (right, _images(29))]))
+
+
 def keras_shared_encoder() -> dict[str, np.ndarray]:
     """A tf_keras two-input model whose encoder (with batch norm) is called on both inputs: compile, then fit."""
     encoder = keras.Sequential([
@@ -287,7 +298,7 @@ def keras_shared_encoder() -> dict[str, np.ndarray]:
 CASES = {f.__name__: f for f in (two_plain_layers, named_layers, two_streams, siamese, gan, encoder_decoder,
                                 mean_teacher, ensemble, keras_fit, semi_supervised, two_cross_entropies,
                                 gan_discriminator_step, per_domain, weighted_add_n, mean_over_concat,
-                                keras_shared_encoder)}
+                                tape_summed_loss, keras_shared_encoder)}
 
 
 def main(out: str, names: list[str]) -> None:
