@@ -26,7 +26,7 @@ from bnrewrite.errors import (
 from bnrewrite.graph import Graph
 from bnrewrite.graph_assembly import copy_fields
 from bnrewrite.names import tensor_name
-from bnrewrite.match.live_work import not_run
+from bnrewrite.match.live_work import NOT_RUN, not_run, steps
 from bnrewrite.match.census import Census, Site
 from bnrewrite.match.sites import normalization, scan
 from bnrewrite.nodes import MARK
@@ -308,6 +308,7 @@ def take_census(model: Graph) -> tuple[Graph, functions.Bodies | None, Census]:
     if census.not_run:
         idle = {skip.node for skip in census.not_run}
         census.sites = [site for site in census.sites if site.name not in idle]
+    census.steps = steps(combined, census.sites, {b.prefix: b.caller for b in bodies.bodies} if bodies else {})
     return combined, bodies, census
 
 
@@ -399,10 +400,15 @@ def _report(graph: Graph, plan: Plan, records: list[PassRecord], census: Census,
     report.removed = [{"node": name, "why": why} for name, why in removed]
     report.skipped = [{"node": s.node, "reason": s.reason} for s in (*census.skips, *plan.towers.skips)]
     report.not_run = [s.node for s in census.not_run]
-    if report.not_run:
+    idle = [s.node for s in census.not_run if s.reason == NOT_RUN]
+    if idle:
         report.notes.append(
-            f"{len(report.not_run)} training batch-norm op(s) that no training step runs left as they are, not towers "
-            f"(e.g. {report.not_run[0]}: the call that built a Keras model on its own Input, an unused copy)")
+            f"{len(idle)} training batch-norm op(s) that no training step runs left as they are, not towers "
+            f"(e.g. {idle[0]}: the call that built a Keras model on its own Input, an unused copy)")
+    alone = [s for s in census.not_run if s.reason != NOT_RUN]
+    if alone:
+        report.notes.append(f"{len(alone)} training batch-norm op(s) left as they are, not towers: {alone[0].node}: "
+                            f"{alone[0].reason}")
     report.passes = [
         {"name": r.name, "added": r.added, "replaced": len(r.replaced), "removed": len(r.removed),
          "control_edges": r.control_edges, "seconds": round(r.seconds, 4)}

@@ -22,7 +22,8 @@ from bnrewrite.functions import in_body
 from bnrewrite.graph import Device, Graph
 from bnrewrite.match.replicas import trained_apart
 from bnrewrite.match.census import Census, Site, Skip
-from bnrewrite.match.towers import LayerGroup, Towers, group_towers
+from bnrewrite.match.live_work import partial_step, trained_alone
+from bnrewrite.match.towers import LayerGroup, Towers, group_towers, tower_map
 from bnrewrite.match.updates import direct_updates, find_updates
 
 #: Instance keys of one layer: 0 is the forward all-reduce, 1.. its gradients.
@@ -83,6 +84,7 @@ class Plan:
 
 
 def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
+    _set_aside_one_device_steps(census, options.tower_by)
     direct = {s.name: direct_updates(graph, s.statistics) for s in census.sites}
     reached: dict[str, int] = {}  # update -> how many sites reach it directly
     for updates in direct.values():
@@ -108,12 +110,29 @@ def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
     apart = trained_apart(graph, towers, sync_groups) if options.num_workers == 1 else ""
     if apart:  # on one device nothing but names made them towers: separate models, run as they are
         raise (NotReplicasError if options.tower_by == "auto" and towers.by == "scope" else IndependentModelsError)(apart)
+    waits = partial_step([[group.sites[towers.ids.index(t)].name for t in members] for group in towers.groups
+                          for members in sync_groups], census.steps)
+    if waits:
+        raise TowerMismatchError(waits)
     devices = [site.device for site in towers.groups[0].sites]
     servers = _servers(graph, devices) if options.num_workers > 1 else ()
     inside = next((name for group in towers.groups for site in group.sites for name in (site.name, *site.grads)
                    if in_body(name)), "")
     backend = choose_backend(options.backend, devices, options.num_workers, inside, options.available_gpus, servers)
     return Plan(towers, backend, sync_groups, options, servers if backend == "ps" else ())
+
+
+def _set_aside_one_device_steps(census: Census, tower_by: str) -> None:
+    """Take the sites that only steps training one device run out of `census.sites` (into
+    `not_run`), so no all-reduce spans a site the step being run does not run; a step that runs
+    some of the synchronized towers but not all is refused (TowerMismatchError)."""
+    alone, why = trained_alone(tower_map(census.sites, tower_by), census.steps)
+    if why:
+        raise TowerMismatchError(why)
+    if alone:
+        idle = {skip.node for skip in alone}
+        census.not_run.extend(alone)
+        census.sites = [site for site in census.sites if site.name not in idle]
 
 
 def _servers(graph: Graph, devices: list[Device]) -> tuple[Device, ...]:
