@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from bnrewrite.collectives import Collective, choose_backend
+from bnrewrite.collectives import Collective, choose_backend, spread_over_cpus
 from bnrewrite.errors import (
     BnRewriteError,
     IndependentModelsError,
@@ -41,6 +41,7 @@ class Options:
     num_workers: int = 1
     task_index: int = 0
     available_gpus: int | None = None  # auto: towers on GPUs beyond these take the local sum
+    available_cpus: int | None = None  # the session's CPU devices, when known: towers beyond them run on CPU 0
     group_key_base: int = 0x5B00
     instance_key_base: int = 0x5B0000
 
@@ -52,6 +53,7 @@ class Plan:
     sync_groups: tuple[tuple[str, ...], ...]
     options: Options
     servers: tuple[Device, ...] = ()  # backend "ps": the parameter servers, which hold the queues
+    spread: tuple[str, ...] = ()  # backend "collective" on towers that run on one device: each tower's CPU
 
     @property
     def groups(self) -> tuple[LayerGroup, ...]:
@@ -70,6 +72,7 @@ class Plan:
             hint="nccl" if self.options.num_workers > 1 and self.on_gpu else "auto",
             member=self.options.task_index * len(members) + members.index(tower),
             queue_device=str(self.servers[layer % len(self.servers)]) if self.servers else "",
+            device=self.spread[self.towers.ids.index(tower)] if self.spread else "",
         )
 
     def updated_by_worker_0(self, graph: Graph, variable: str) -> bool:
@@ -118,8 +121,11 @@ def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
     servers = _servers(graph, devices) if options.num_workers > 1 else ()
     inside = next((name for group in towers.groups for site in group.sites for name in (site.name, *site.grads)
                    if in_body(name)), "")
-    backend = choose_backend(options.backend, devices, options.num_workers, inside, options.available_gpus, servers)
-    return Plan(towers, backend, sync_groups, options, servers if backend == "ps" else ())
+    backend = choose_backend(options.backend, devices, options.num_workers, inside, options.available_gpus, servers,
+                             options.available_cpus)
+    spread = (spread_over_cpus(devices, options.available_gpus, options.available_cpus, options.num_workers)
+              if backend == "collective" else ())
+    return Plan(towers, backend, sync_groups, options, servers if backend == "ps" else (), spread)
 
 
 def _set_aside_one_device_steps(census: Census, tower_by: str) -> None:

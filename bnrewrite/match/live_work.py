@@ -87,7 +87,8 @@ def trained_alone(tower: Mapping[str, str], runs: Mapping[str, frozenset[str]]) 
     """The sites that only steps sharing no site with the main step (the one running most towers)
     run: such a step trains one device (Keras' template model fitted on its own after the
     multi-tower fit), so its sites are set aside and it runs as it is. With why the graph cannot be
-    synchronized ("" if it can): such a step that trains several towers, an independent model.
+    synchronized ("" if it can): such a step that trains several towers (an independent model), or
+    a step sharing sites with the main step that runs no site of some of its towers.
     `tower`: site -> its tower (the sites to consider); `runs`: step -> the sites it runs."""
     runs = {step: sites & tower.keys() for step, sites in runs.items()}
     runs = {step: sites for step, sites in runs.items() if sites}
@@ -95,6 +96,13 @@ def trained_alone(tower: Mapping[str, str], runs: Mapping[str, frozenset[str]]) 
         return [], ""
     main = max(runs, key=lambda step: len({tower[s] for s in runs[step]}))
     apart = {step: sites for step, sites in runs.items() if sites.isdisjoint(runs[main])}
+    every = {tower[s] for s in runs[main]}
+    for step, sites in runs.items():
+        lacks = every - {tower[s] for s in sites}
+        if step not in apart and lacks:
+            return [], (f"training step {step} runs batch norm {min(sites & runs[main])} but no batch norm of tower(s) "
+                        f"{_towers(lacks)}, which step {main} trains with it: their all-reduces would wait forever in "
+                        f"{step}; train every tower in one step, or a single tower in a graph of its own")
     together = set().union(*(sites for step, sites in runs.items() if step not in apart))
     alone: dict[str, str] = {}
     for step, sites in apart.items():
