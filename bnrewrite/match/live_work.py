@@ -87,8 +87,8 @@ def trained_alone(tower: Mapping[str, str], runs: Mapping[str, frozenset[str]]) 
     """The sites that only steps sharing no site with the main step (the one running most towers)
     run: such a step trains one device (Keras' template model fitted on its own after the
     multi-tower fit), so its sites are set aside and it runs as it is. With why the graph cannot be
-    synchronized ("" if it can): such a step that trains several towers (an independent model), or
-    a step sharing sites with the main step that runs no site of some of its towers.
+    synchronized ("" if it can): a step sharing sites with the main step that runs no site of some
+    of its towers.
     `tower`: site -> its tower (the sites to consider); `runs`: step -> the sites it runs."""
     runs = {step: sites & tower.keys() for step, sites in runs.items()}
     runs = {step: sites for step, sites in runs.items() if sites}
@@ -106,12 +106,8 @@ def trained_alone(tower: Mapping[str, str], runs: Mapping[str, frozenset[str]]) 
     together = set().union(*(sites for step, sites in runs.items() if step not in apart))
     alone: dict[str, str] = {}
     for step, sites in apart.items():
-        towers = {tower[s] for s in sites}
-        if len(towers) > 1:
-            return [], (f"training steps {main} and {step} train different batch norms on several towers each "
-                        f"({_towers({tower[s] for s in runs[main]})}; {_towers(towers)}): independent models; "
-                        "synchronize each in a graph of its own")
-        alone.update((s, step) for s in sites if s not in together)
+        if len({tower[s] for s in sites}) == 1:  # several towers: a second model's, synchronized as its own
+            alone.update((s, step) for s in sites if s not in together)
     return [Skip(s, f"only training step {step} runs it, which runs no batch norm of the other towers: it trains "
                     "one device, as it is (e.g. a Keras template model fitted on its own after the multi-tower fit); "
                     "not a tower") for s, step in alone.items()], ""
