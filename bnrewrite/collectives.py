@@ -121,7 +121,7 @@ def choose_backend(
     if backend != "local" and not distinct and not (backend == "collective" and spread):
         raise BackendError(
             f"backend {backend} meets one peer per device, but the towers share a device or name none ("
-            + ", ".join(_where(d, r) or "(no device)" for d, r in zip(devices, real))
+            + ", ".join(_where(d, r) for d, r in zip(devices, real))
             + '): use backend="local", or place each tower on its own device with tf.device'
         )
     return backend
@@ -129,7 +129,8 @@ def choose_backend(
 
 def _where(asked: Device, real: Device) -> str:
     """A tower's device as asked, and where it runs when soft placement moves it."""
-    return str(asked) if asked == real else f"{asked} (run on {real}: the session has no such device)"
+    shown = str(asked) or "(no device)"
+    return shown if asked == real else f"{shown} (run on {real}: the session has no such device)"
 
 
 def _check_ps(num_workers: int, in_functions: str, servers: tuple[Device, ...]) -> str:
