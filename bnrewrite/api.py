@@ -16,6 +16,7 @@ from tensorflow.core.protobuf import meta_graph_pb2
 from bnrewrite import functions, handles, meaning
 from bnrewrite.arguments import check_arguments
 from bnrewrite.collections_def import drop_removed
+from bnrewrite.collectives import placed
 from bnrewrite.errors import (
     AlreadyRewrittenError,
     BnRewriteError,
@@ -26,7 +27,7 @@ from bnrewrite.errors import (
 from bnrewrite.graph import Graph
 from bnrewrite.graph_assembly import copy_fields
 from bnrewrite.names import tensor_name
-from bnrewrite.match.live_work import not_run
+from bnrewrite.match.live_work import NOT_RUN, not_run, steps
 from bnrewrite.match.census import Census, Site
 from bnrewrite.match.sites import normalization, scan
 from bnrewrite.nodes import MARK
@@ -161,6 +162,7 @@ def rewrite_graph(
     in_place: bool = False,
     available_gpus: int | None = None,
     allow_unsynced: bool = False,
+    available_cpus: int | None = None,
 ) -> RewriteResult:
     """Synchronize batch norm across the towers of a replicated training graph.
 
@@ -187,6 +189,11 @@ def rewrite_graph(
     in_place: rewrite the GraphDef or MetaGraphDef given and return it in the result instead
         of a copy, which saves the memory of one copy of the graph; if the rewrite fails, it
         is left as it was.
+    available_gpus, available_cpus: the GPUs and CPU devices of the session that will run the result,
+        when known (bnrewrite run passes them): towers asked for devices it lacks run where soft
+        placement puts them (its CPU 0), and the backend is chosen from there; towers that run on
+        one device inside control flow v2 take the collective runtime on a CPU device each, and
+        `report.cpu_devices` says how many CPU devices the session then needs.
     allow_unsynced: a training batch-norm layer that cannot be synchronized (report.skipped says
         why) makes the rewrite raise UnsyncedLayerError, as the towers would not train like one
         device; with True the other layers are synchronized and those left as they were.
@@ -196,7 +203,7 @@ def rewrite_graph(
         raise BnRewriteError(f"allow_unsynced={allow_unsynced!r} is not valid; give True or False")
     options = Options(
         backend=backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds,
-        num_workers=num_workers, task_index=task_index, available_gpus=available_gpus,
+        num_workers=num_workers, task_index=task_index, available_gpus=available_gpus, available_cpus=available_cpus,
     )
     graph_def, meta, storage = _as_protos(graph, in_place)
     undo = _Undo(graph_def if storage is graph_def and in_place else None, len(graph_def.node))
@@ -268,6 +275,17 @@ def _rewrite(
             f"kernels, faster from {KERNEL_MIN_ELEMENTS} elements per tower, need them: "
             "give the placeholders fully defined shapes)")
     devices = [site.device for site in plan.groups[0].sites]
+    real = [placed(d, options.available_gpus, options.available_cpus) for d in devices]
+    if real != devices and len(set(real)) < len(real):
+        report.notes.append(
+            f"towers {', '.join(map(str, devices))} all run on {real[0]} (the session has {options.available_gpus} GPU(s) "
+            f"and {options.available_cpus} CPU device(s): soft placement)"
+            + (f": their all-reduces meet on /device:CPU:0..{len(plan.spread) - 1}, one per tower, which the session "
+               f"needs (bnrewrite run gives it them)" if plan.spread else ": synchronized by one local sum"))
+    elif plan.spread:
+        report.notes.append(f"towers that share a device or name none: their all-reduces meet on /device:CPU:0.."
+                            f"{len(plan.spread) - 1}, one per tower, which the session needs (bnrewrite run gives it them)")
+    report.cpu_devices = len(plan.spread)
     if len(set(devices)) < len(devices) and plan.backend == "local":
         report.notes.append(
             f"towers {', '.join(plan.towers.ids)} share a device or name none "
@@ -308,6 +326,7 @@ def take_census(model: Graph) -> tuple[Graph, functions.Bodies | None, Census]:
     if census.not_run:
         idle = {skip.node for skip in census.not_run}
         census.sites = [site for site in census.sites if site.name not in idle]
+    census.steps = steps(combined, census.sites, {b.prefix: b.caller for b in bodies.bodies} if bodies else {})
     return combined, bodies, census
 
 
@@ -399,10 +418,15 @@ def _report(graph: Graph, plan: Plan, records: list[PassRecord], census: Census,
     report.removed = [{"node": name, "why": why} for name, why in removed]
     report.skipped = [{"node": s.node, "reason": s.reason} for s in (*census.skips, *plan.towers.skips)]
     report.not_run = [s.node for s in census.not_run]
-    if report.not_run:
+    idle = [s.node for s in census.not_run if s.reason == NOT_RUN]
+    if idle:
         report.notes.append(
-            f"{len(report.not_run)} training batch-norm op(s) that no training step runs left as they are, not towers "
-            f"(e.g. {report.not_run[0]}: the call that built a Keras model on its own Input, an unused copy)")
+            f"{len(idle)} training batch-norm op(s) that no training step runs left as they are, not towers "
+            f"(e.g. {idle[0]}: the call that built a Keras model on its own Input, an unused copy)")
+    alone = [s for s in census.not_run if s.reason != NOT_RUN]
+    if alone:
+        report.notes.append(f"{len(alone)} training batch-norm op(s) left as they are, not towers: {alone[0].node}: "
+                            f"{alone[0].reason}")
     report.passes = [
         {"name": r.name, "added": r.added, "replaced": len(r.replaced), "removed": len(r.removed),
          "control_edges": r.control_edges, "seconds": round(r.seconds, 4)}

@@ -15,7 +15,7 @@ rendezvous by keys that NCCL and the collective runtime provide.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tensorflow.core.framework.attr_value_pb2 import AttrValue
 
@@ -45,36 +45,60 @@ class Collective:
     hint: str = "auto"
     member: int = 0  # this tower's place in the group over all workers ("ps")
     queue_device: str = ""  # the parameter server holding the group's queues ("ps")
+    device: str = ""  # where this member's all-reduce runs, if not on its tower's device (spread_over_cpus)
 
     @property
     def shared_name(self) -> str:
         return f"bnrewrite_g{self.group_key}_i{self.instance_key}"
 
 
+def placed(device: Device, gpus: int | None, cpus: int | None) -> Device:
+    """Where a tower asked for `device` runs in a session with `gpus` GPUs and `cpus` CPU devices
+    (None: not known, as asked): a device the session lacks is soft-placed on its CPU 0."""
+    count = gpus if device.type == "GPU" else cpus if device.type == "CPU" else None
+    if count is None or (count and device.index < count):
+        return device
+    return replace(device, type="CPU", index=0)
+
+
+def spread_over_cpus(devices: list[Device], gpus: int | None, cpus: int | None, num_workers: int) -> tuple[str, ...]:
+    """The CPU device each tower's keyed all-reduce runs on when the towers run on one device of
+    a session whose devices are known (cpus given): /device:CPU:k for tower k, as the collective
+    runtime meets one peer per device (the session layer gives the session that many CPUs:
+    Report.cpu_devices). Empty when the towers run on devices of their own (or unknown ones)."""
+    real = [placed(d, gpus, cpus) for d in devices]
+    if cpus is None or num_workers > 1 or len(set(real)) == len(real):
+        return ()
+    return tuple(f"/device:CPU:{k}" for k in range(len(devices)))
+
+
 def choose_backend(
     backend: str, devices: list[Device], num_workers: int = 1, in_functions: str = "", available_gpus: int | None = None,
-    servers: tuple[Device, ...] = (),
+    servers: tuple[Device, ...] = (), available_cpus: int | None = None,
 ) -> str:
-    """'auto' picks NCCL when every tower is a GPU of its own (and one worker), else the local
+    """'auto' picks NCCL when every tower runs on a GPU of its own (and one worker), else the local
     sum when the towers are in one process and no synced op is inside a function
     (`in_functions` names one that is), queues on a parameter server when several workers' graphs
     place nodes on `servers` (processes that run no tower), else the collective runtime; checks
     the devices allow it.
-    `available_gpus` (when known: a live session's) keeps auto off NCCL when a tower's GPU is not
-    there, where soft placement runs the towers on the CPU.
+    `available_gpus`, `available_cpus` (when known: a live session's) say where the towers really
+    run: soft placement runs a tower asked for a device the session lacks (a missing GPU,
+    `device_count`) on its CPU 0 (`placed`).
 
     NcclAllReduce only reaches devices of one process: across workers the collective runtime
     is used, with communication hint "nccl" on GPUs. Both meet one peer per device, so towers
-    that share a device (or name none: scope towers) can only take the local sum, an
-    ordinary op.
+    that run on one device (or name none: scope towers) take the local sum, an ordinary op; inside
+    functions, which it cannot reach, the collective runtime on a CPU device per tower when the
+    session's devices are known (spread_over_cpus).
     """
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    on_gpu = all(d.type == "GPU" for d in devices)
-    present = available_gpus is None or all(0 <= d.index < available_gpus for d in devices)
-    distinct = len(set(devices)) == len(devices)
+    real = [placed(d, available_gpus, available_cpus) for d in devices]
+    on_gpu = all(d.type == "GPU" for d in real)
+    distinct = len(set(real)) == len(real)
+    spread = bool(spread_over_cpus(devices, available_gpus, available_cpus, num_workers))
     if backend == "auto":
-        backend = ("nccl" if on_gpu and present and distinct and num_workers == 1
+        backend = ("nccl" if on_gpu and distinct and num_workers == 1
                    else "local" if num_workers == 1 and not in_functions
                    else "ps" if num_workers > 1 and servers else "collective")
     if backend == "ps":
@@ -92,15 +116,21 @@ def choose_backend(
             f"backend local cannot reach {in_functions}, which is inside a function (a control flow v2 branch); "
             'use backend="collective" (or backend="nccl" on GPUs)')
     if backend == "nccl" and not on_gpu:
-        others = sorted({str(d) or "(no device)" for d in devices if d.type != "GPU"})
+        others = sorted({_where(d, r) for d, r in zip(devices, real) if r.type != "GPU"})
         raise BackendError(f"backend nccl needs every tower on a GPU, but towers sit on {', '.join(others)}; use backend=\"local\" (or backend=\"collective\" across workers)")
-    if backend != "local" and not distinct:
+    if backend != "local" and not distinct and not (backend == "collective" and spread):
         raise BackendError(
             f"backend {backend} meets one peer per device, but the towers share a device or name none ("
-            + ", ".join(str(d) or "(no device)" for d in devices)
+            + ", ".join(_where(d, r) for d, r in zip(devices, real))
             + '): use backend="local", or place each tower on its own device with tf.device'
         )
     return backend
+
+
+def _where(asked: Device, real: Device) -> str:
+    """A tower's device as asked, and where it runs when soft placement moves it."""
+    shown = str(asked) or "(no device)"
+    return shown if asked == real else f"{shown} (run on {real}: the session has no such device)"
 
 
 def _check_ps(num_workers: int, in_functions: str, servers: tuple[Device, ...]) -> str:
@@ -132,7 +162,7 @@ def all_reduce(builder: Builder, name: str, tensor: str, dtype: int, key: Collec
     size = builder.const(f"{name}/group_size", key.group_size)
     group = builder.const(f"{name}/group_key", key.group_key)
     instance = builder.const(f"{name}/instance_key", key.instance_key)
-    return builder.node(
+    return (builder.on(key.device) if key.device else builder).node(
         "CollectiveReduceV2", name, [tensor, size, group, instance], T=DType(dtype),
         merge_op="Add", final_op="Id", communication_hint=key.hint, timeout_seconds=float(key.timeout_seconds),
         is_stateless=False, Nordering_token=0, max_subdivs_per_device=-1, **{INSTANCE_ATTR: key.instance_key},

@@ -80,6 +80,7 @@ class Shadow:
     replaced_by: "Shadow | None" = None  # the shadow of the graph grown since, which sessions move to
     sites: dict[str, int] = field(default_factory=dict)  # training batch norms the rewrite saw (_sites)
     step_timeout_ms: int = 0  # backend ps with a timeout: every step's bound (step_config)
+    cpu_devices: int = 0  # the CPU devices its session needs: all-reduces spread over them (step_config)
 
     def catch_up(self, script_graph: Any) -> None:
         """Copy the ops added to `script_graph` since the last call; an op that reads a missing
@@ -204,22 +205,28 @@ def make_shadow(count: int, result: Any, number: int = 0, options: LiveOptions |
     timeout = options.rewrite.get("timeout_seconds", 0.0) if result.report.backend == "ps" else 0.0
     return Shadow(shadow_graph, count, removed, functions, number, options, first_step, config=config,
                   signature=_signature(result.report), sites=_sites(result.report),
-                  step_timeout_ms=max(1, round(timeout * 1000)) if timeout else 0)
+                  step_timeout_ms=max(1, round(timeout * 1000)) if timeout else 0, cpu_devices=result.report.cpu_devices)
 
 
 def step_config(config: Any, shadow: Shadow) -> Any:
     """The ConfigProto for a session on `shadow`: with backend ps and a timeout, its
     operation_timeout_in_ms (unless the script set one) bounds every step, as TensorFlow's
     queues have no time-out of their own: a worker that never joins or dies makes the others'
-    step fail with DeadlineExceededError instead of waiting forever."""
-    if not shadow.step_timeout_ms or (config is not None and config.operation_timeout_in_ms):
+    step fail with DeadlineExceededError instead of waiting forever; with all-reduces spread
+    over CPU devices (towers that run on one device), at least that many CPU devices."""
+    bound = shadow.step_timeout_ms and not (config is not None and config.operation_timeout_in_ms)
+    cpus = _cpus(config)
+    if not bound and cpus >= shadow.cpu_devices:
         return config
     from tensorflow.core.protobuf import config_pb2
 
     bounded = config_pb2.ConfigProto()
     if config is not None:
         bounded.CopyFrom(config)
-    bounded.operation_timeout_in_ms = shadow.step_timeout_ms
+    if bound:
+        bounded.operation_timeout_in_ms = shadow.step_timeout_ms
+    if cpus < shadow.cpu_devices:
+        bounded.device_count["CPU"] = shadow.cpu_devices
     return bounded
 
 
@@ -309,6 +316,7 @@ def decide(graph: Any, config: Any, options: LiveOptions, again: bool = False,
     count = len(graph_def.node)
     try:
         result = rewrite_graph(graph_def, in_place=True, if_rewritten="keep", available_gpus=_gpus(config),
+                               available_cpus=_cpus(config),
                                allow_unsynced=options.allow_unsynced, **options.rewrite)
     except IndependentModelsError as exc:
         return _refused(number, exc, options, version)
@@ -395,3 +403,8 @@ def _gpus(config: Any) -> int:
     if config is not None and "GPU" in config.device_count:
         count = min(count, config.device_count["GPU"])
     return count
+
+
+def _cpus(config: Any) -> int:
+    """The CPU devices a session with `config` gets (TensorFlow's default: one)."""
+    return config.device_count["CPU"] if config is not None and "CPU" in config.device_count else 1

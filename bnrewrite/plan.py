@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from bnrewrite.collectives import Collective, choose_backend
+from bnrewrite.collectives import Collective, choose_backend, spread_over_cpus
 from bnrewrite.errors import (
     BnRewriteError,
     IndependentModelsError,
@@ -22,7 +22,8 @@ from bnrewrite.functions import in_body
 from bnrewrite.graph import Device, Graph
 from bnrewrite.match.replicas import trained_apart
 from bnrewrite.match.census import Census, Site, Skip
-from bnrewrite.match.towers import LayerGroup, Towers, group_towers
+from bnrewrite.match.live_work import partial_step, trained_alone
+from bnrewrite.match.towers import LayerGroup, Towers, group_towers, tower_map
 from bnrewrite.match.updates import direct_updates, find_updates
 
 #: Instance keys of one layer: 0 is the forward all-reduce, 1.. its gradients.
@@ -40,6 +41,7 @@ class Options:
     num_workers: int = 1
     task_index: int = 0
     available_gpus: int | None = None  # auto: towers on GPUs beyond these take the local sum
+    available_cpus: int | None = None  # the session's CPU devices, when known: towers beyond them run on CPU 0
     group_key_base: int = 0x5B00
     instance_key_base: int = 0x5B0000
 
@@ -51,6 +53,7 @@ class Plan:
     sync_groups: tuple[tuple[str, ...], ...]
     options: Options
     servers: tuple[Device, ...] = ()  # backend "ps": the parameter servers, which hold the queues
+    spread: tuple[str, ...] = ()  # backend "collective" on towers that run on one device: each tower's CPU
 
     @property
     def groups(self) -> tuple[LayerGroup, ...]:
@@ -69,6 +72,7 @@ class Plan:
             hint="nccl" if self.options.num_workers > 1 and self.on_gpu else "auto",
             member=self.options.task_index * len(members) + members.index(tower),
             queue_device=str(self.servers[layer % len(self.servers)]) if self.servers else "",
+            device=self.spread[self.towers.ids.index(tower)] if self.spread else "",
         )
 
     def updated_by_worker_0(self, graph: Graph, variable: str) -> bool:
@@ -83,6 +87,7 @@ class Plan:
 
 
 def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
+    _set_aside_one_device_steps(census, options.tower_by)
     direct = {s.name: direct_updates(graph, s.statistics) for s in census.sites}
     reached: dict[str, int] = {}  # update -> how many sites reach it directly
     for updates in direct.values():
@@ -108,12 +113,32 @@ def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
     apart = trained_apart(graph, towers, sync_groups) if options.num_workers == 1 else ""
     if apart:  # on one device nothing but names made them towers: separate models, run as they are
         raise (NotReplicasError if options.tower_by == "auto" and towers.by == "scope" else IndependentModelsError)(apart)
+    waits = partial_step([[group.sites[towers.ids.index(t)].name for t in members] for group in towers.groups
+                          for members in sync_groups], census.steps)
+    if waits:
+        raise TowerMismatchError(waits)
     devices = [site.device for site in towers.groups[0].sites]
     servers = _servers(graph, devices) if options.num_workers > 1 else ()
     inside = next((name for group in towers.groups for site in group.sites for name in (site.name, *site.grads)
                    if in_body(name)), "")
-    backend = choose_backend(options.backend, devices, options.num_workers, inside, options.available_gpus, servers)
-    return Plan(towers, backend, sync_groups, options, servers if backend == "ps" else ())
+    backend = choose_backend(options.backend, devices, options.num_workers, inside, options.available_gpus, servers,
+                             options.available_cpus)
+    spread = (spread_over_cpus(devices, options.available_gpus, options.available_cpus, options.num_workers)
+              if backend == "collective" else ())
+    return Plan(towers, backend, sync_groups, options, servers if backend == "ps" else (), spread)
+
+
+def _set_aside_one_device_steps(census: Census, tower_by: str) -> None:
+    """Take the sites that only steps training one device run out of `census.sites` (into
+    `not_run`), so no all-reduce spans a site the step being run does not run; a step that runs
+    some of the synchronized towers but not all is refused (TowerMismatchError)."""
+    alone, why = trained_alone(tower_map(census.sites, tower_by), census.steps)
+    if why:
+        raise TowerMismatchError(why)
+    if alone:
+        idle = {skip.node for skip in alone}
+        census.not_run.extend(alone)
+        census.sites = [site for site in census.sites if site.name not in idle]
 
 
 def _servers(graph: Graph, devices: list[Device]) -> tuple[Device, ...]:

@@ -73,6 +73,7 @@ class Report:
     nodes_before: int = 0
     nodes_after: int = 0
     already_rewritten: bool = False
+    cpu_devices: int = 0  # the CPU devices the session needs: all-reduces spread over /device:CPU:0..n-1, else 0
     unchanged: str = ""  # rewrite_graph(g, in_place=True) left a graph with nothing to synchronize as it is: why
     notes: list[str] = field(default_factory=list)
 

@@ -57,6 +57,7 @@ SLOW_TESTS = (
     "test_one_device.py::test_run_leaves_one_device_programs",
     "test_silent.py::test_run_synchronizes",
     "test_keras_towers.py::test_keras_tower_trainers_train_like_one_device",
+    "test_keras_towers.py::test_soft_placed_towers_and_a_later_template_fit_train_like_one_device",
     "test_applications.py::test_towers_applying_networks_twice_train_like_one_device",
     "test_ps_cluster.py::test_a_",
     "test_keras_towers.py::test_mobilenet_v2_per_tower_trains_like_one_device",

@@ -46,9 +46,10 @@ def test_mobilenet_v2_per_tower_trains_like_one_device(tmp_path):
     assert any("52 batch-norm layer(s) synchronized across 2 towers" in line for line in err.splitlines()), err[-2000:]
 
 
-def _keras_towers(trained: tuple[int, ...] = (0, 1)) -> tf.Graph:
+def _keras_towers(trained: tuple[int, ...] = (0, 1), later: str = "") -> tf.Graph:
     """A tf_keras functional model built on its own Input, called per tower on /cpu:0 and /cpu:1;
-    the gradients of the `trained` towers averaged (none: no gradients, the updates alone)."""
+    the gradients of the `trained` towers averaged (none: no gradients, the updates alone).
+    `later`: a second train op, of the template's own call ("template") or of tower 0 ("tower_0")."""
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     import tf_keras as keras
 
@@ -72,6 +73,10 @@ def _keras_towers(trained: tuple[int, ...] = (0, 1)) -> tf.Graph:
             averaged = [(tf.add_n([g[j][0] for g in grads]) / len(grads), grads[0][j][1]) for j in range(len(grads[0]))]
             updates.append(optimizer.apply_gradients(averaged))
         tf.group(*updates, name="train_op")
+        if later:
+            out = model.output if later == "template" else graph.get_tensor_by_name("tower_0/Mean:0")
+            tf.group(optimizer.minimize(tf.reduce_mean(tf.square(out)), var_list=model.trainable_weights),
+                     *model.get_updates_for(model.input if later == "template" else images[:4]), name="later_op")
     return graph
 
 
@@ -91,6 +96,26 @@ def test_the_call_that_built_a_keras_model_is_no_tower(tmp_path, capsys):
     assert any("1 training batch-norm op(s) that no training step runs left as they are, not towers" in note
                for note in report.notes), report.notes
     assert report.to_dict()["not_run"] == report.not_run and not report.skipped
+
+
+def test_a_template_fitted_on_its_own_is_no_tower():
+    """Issue 49: the template's own train op (Keras' template.fit after the multi-tower fit) makes
+    its construction call live, but that step runs no other tower: set aside, never the third
+    member of an all-reduce (which waited forever in either step)."""
+    report = rewrite_graph(_keras_towers(later="template").as_graph_def()).report
+    assert report.towers == ["/device:CPU:0", "/device:CPU:1"] and report.not_run == ["bn/FusedBatchNormV3"]
+    assert [[site.split("/", 1)[0] for site in row.sites] for row in report.layers] == [["tower_0", "tower_1"]]
+    assert any("only training step later_op runs it, which runs no batch norm of the other towers" in note
+               for note in report.notes), report.notes
+
+
+def test_a_later_step_running_one_tower_of_an_all_reduce_is_refused_naming_it():
+    with pytest.raises(TowerMismatchError) as caught:
+        rewrite_graph(_keras_towers(later="tower_0").as_graph_def())
+    message = str(caught.value)
+    assert message.startswith("training step later_op runs batch norm tower_0/"), message
+    assert "but no batch norm of tower(s) /device:CPU:1, which step train_op trains with it" in message, message
+    assert "would wait forever in later_op" in message, message
 
 
 def test_without_gradients_every_training_batch_norm_counts():
@@ -161,3 +186,22 @@ def test_verify_says_a_fit_step_through_a_callable_is_not_checked(capsys):
 
     synced = [r for r in live.records() if r["outcome"] == "synchronized"]
     assert synced and synced[-1]["verify"]["passed"] is None
+
+
+#: Issue 49's hangs: towers on /gpu:i that soft placement runs on one CPU (batch norm under the
+#: learning-phase cond v2), and the template model fitted on its own after the multi-tower fit.
+HUNG = ("multi_gpu_soft", "learning_phase_soft", "multi_gpu_then_template")
+
+
+def test_soft_placed_towers_and_a_later_template_fit_train_like_one_device(tmp_path):
+    """Each hung forever before (the collective backend with both members on one device; an
+    all-reduce spanning the template's own call, which the template's step runs alone)."""
+    err = run_both(SCRIPT, tmp_path, HUNG)
+    for case in HUNG:
+        print(judge(case, str(tmp_path)))
+    lines = [line for line in err.splitlines() if line.startswith("bnrewrite:")]
+    soft = [line for line in lines if "synchronized across 2 towers (/device:GPU:0, /device:GPU:1" in line]
+    assert len(soft) == 2 and all("backend collective" in line and "all run on /device:CPU:0" in line
+                                  and "meet on /device:CPU:0..1" in line for line in soft), lines
+    assert sum("synchronized across 2 towers (/device:CPU:0, /device:CPU:1" in line for line in lines) == 1, lines
+    assert not any("error" in line or "warning" in line for line in lines), lines

@@ -13,7 +13,11 @@ import pytest
 import bnrewrite
 from bnrewrite import rewrite_graph
 from bnrewrite.collectives import COLLECTIVE_OPS, INSTANCE_ATTR
-from models import Spec, build_towers
+import towers_model
+import tensorflow as tf
+from bnrewrite.graph import Device
+from bnrewrite.collectives import placed
+from models import Spec, assert_synced, build_reference, build_towers, make_batches, train
 
 
 def _sums_and_members(graph_def):
@@ -78,3 +82,53 @@ def test_gpu_towers_keep_nccl_and_may_ask_for_local():
     assert rewrite_graph(graph).report.backend == "nccl"
     _, sums, _ = _sums_and_members(rewrite_graph(graph, backend="local").graph_def)
     assert sums and {s.device for s in sums} == {"/device:GPU:0"}
+
+
+def _soft_config(num_devices: int) -> tf.compat.v1.ConfigProto:
+    """towers_model's session, with soft placement: towers asked for /gpu:i run on the CPU."""
+    return tf.compat.v1.ConfigProto(device_count={"CPU": num_devices}, allow_soft_placement=True,
+                                    intra_op_parallelism_threads=1, inter_op_parallelism_threads=2)
+
+
+def test_a_device_the_session_lacks_runs_on_its_cpu_0():
+    gpu1, cpu1 = Device.parse("/device:GPU:1"), Device.parse("/device:CPU:1")
+    assert placed(gpu1, None, None) == gpu1 and placed(gpu1, 2, 1) == gpu1 and placed(cpu1, 0, 2) == cpu1
+    assert str(placed(gpu1, 1, 4)) == str(placed(cpu1, 0, 1)) == "/device:CPU:0"
+    assert str(placed(Device.parse("/job:w/task:1/device:GPU:0"), 0, 1)) == "/job:w/task:1/device:CPU:0"
+
+
+def test_soft_placed_gpu_towers_take_the_local_sum():
+    """Issue 49: towers on /gpu:i in a session without GPUs run on its CPU: no NCCL."""
+    graph = build_towers(Spec(towers=2, device="gpu")).graph
+    report = rewrite_graph(graph, available_gpus=0, available_cpus=1).report
+    assert report.backend == "local" and report.cpu_devices == 0
+    assert any("all run on /device:CPU:0" in note and "one local sum" in note for note in report.notes), report.notes
+    with pytest.raises(bnrewrite.BackendError, match=r"towers sit on /device:GPU:0 \(run on /device:CPU:0"):
+        rewrite_graph(graph, backend="nccl", available_gpus=0, available_cpus=1)
+
+
+@pytest.mark.parametrize("device", ["gpu", "cpu"])
+def test_towers_on_one_device_inside_cond_v2_meet_on_a_cpu_each_and_train_like_one_device(device, monkeypatch):
+    """Towers soft-placed on one device (missing GPUs, or device_count={"CPU": 1} under /cpu:i),
+    batch norm under a cond v2 training flag: the local sum cannot reach into the branches and the
+    collective runtime meets one peer per device (both members on CPU 0 waited forever). Each
+    tower's all-reduce runs on /device:CPU:k, and the session gets that many CPUs."""
+    spec = Spec(towers=2, layer="legacy_cond_v2", device=device)
+    built = build_towers(spec)
+    result = rewrite_graph(built.graph, available_gpus=0, available_cpus=1)
+    assert result.report.backend == "collective" and result.report.cpu_devices == 2
+    keyed = [n for f in result.graph_def.library.function for n in f.node_def if n.op == "CollectiveReduceV2"]
+    # on /cpu:i each is placed with its If, which the session's second CPU then runs on CPU 1
+    pinned = ["/device:CPU:0", "/device:CPU:1"] if device == "gpu" else [""]
+    assert sorted({n.device for n in keyed}) == pinned and len(keyed) == 8
+    assert any("meet on /device:CPU:0..1" in note for note in result.report.notes), result.report.notes
+    if device == "gpu":  # the session's CPUs not known: nothing to spread over, named instead of a hang
+        with pytest.raises(bnrewrite.BackendError, match=r"meets one peer per device.*GPU:1 \(run on /device:CPU:0"):
+            rewrite_graph(built.graph, backend="collective", available_gpus=0)
+    monkeypatch.setattr(towers_model, "session_config", _soft_config)
+    batches = make_batches(spec, 3)
+    reference = build_reference(spec)
+    expected = train(reference.graph, reference, batches, num_devices=1)
+    unsynced = train(built.graph, built, batches, num_devices=1)
+    assert_synced(f"cond v2 on {device}, one device", train(result.graph_def, built, batches, num_devices=2), unsynced,
+                  expected, 1e-5)

@@ -115,3 +115,4 @@ class Census:
     rewritten: list[str]
     skips: list[Skip]
     not_run: list[Skip] = field(default_factory=list)  # training sites no gradient step runs: not towers
+    steps: dict[str, frozenset[str]] = field(default_factory=dict)  # training step -> the sites it runs

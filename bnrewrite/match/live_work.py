@@ -11,15 +11,26 @@ or control edges) of any batch-norm gradient are the step's work (apply ops, the
 group), and a live site is upstream of one of them. A graph without gradients gives no such
 evidence (forward-only graphs): every site counts as live there.
 
-Invariant: a site with a gradient of its own is always live. Two walks over the graph, linear.
+A live site is also only ever synchronized with sites the same training step runs. The steps
+are the ends of what the variable writes downstream of a gradient (apply ops, assigns) lead to:
+the train op's group, a fetch that waits on it. Each step runs the sites upstream of it; a step
+that runs the batch norms of some towers but not of the others (Keras' template model fitted on
+one device after the multi-tower fit) would wait in every all-reduce for the towers it does not
+run (`trained_alone`).
+
+Invariant: a site with a gradient of its own is always live. Two walks over the graph, linear;
+the steps' sites: one walk up per step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from bnrewrite.graph import Graph
 from bnrewrite.names import parse_input
 from bnrewrite.match.census import Site, Skip
-from bnrewrite.nodes import outer_node
+from bnrewrite.match.updates import writes
+from bnrewrite.nodes import BODY_MARK, outer_node
 
 NOT_RUN = ("no training step runs it (nothing downstream of a gradient depends on it: e.g. the call that built a "
            "Keras model on its own Input, an unused branch or copy); not a tower, left as it is")
@@ -30,12 +41,91 @@ def not_run(graph: Graph, sites: list[Site]) -> list[Skip]:
     grads = {outer_node(g) for s in sites for g in (*s.grads, *s.variance_grads)}
     if not grads:
         return []
-    step = graph.downstream(grads)
-    live, stack = set(step), list(step)
+    live = _upstream(graph, *graph.downstream(grads))
+    return [Skip(s.name, NOT_RUN) for s in sites if outer_node(s.name) not in live]
+
+
+def steps(graph: Graph, sites: list[Site], callers: Mapping[str, str]) -> dict[str, frozenset[str]]:
+    """Each training step -> the sites it runs. A step is a node downstream of a variable write that
+    reads a batch-norm gradient and that nothing reads (the train op, a fetch waiting on it). A node
+    inside a flattened branch function counts as the If that calls it (`callers`: body prefix -> If;
+    a gradient body's is the gradient If, whose outputs feed the optimizer, not the moving
+    averages). Empty without such writes."""
+    grads = {_caller(g, callers) for s in sites for g in (*s.grads, *s.variance_grads)}
+    work = graph.downstream(grads)
+    ends = graph.downstream({name for name in work if writes(graph.node(name).op)})
+    consumers = graph.consumers
+    found = {}
+    for end in sorted(name for name in ends if not consumers.get(name) and outer_node(name) == name):
+        above = _upstream(graph, end)
+        found[end] = frozenset(s.name for s in sites if outer_node(s.name) in above)
+    return found
+
+
+def _caller(name: str, callers: Mapping[str, str]) -> str:
+    """The node of the main graph that runs `name`: itself, or the If calling its branch body."""
+    start = name.find(BODY_MARK)
+    if start < 0:
+        return name
+    end = name.find("/", start + len(BODY_MARK))
+    return callers.get(name[:end] if end >= 0 else name, name[:start])
+
+
+def _upstream(graph: Graph, *ends: str) -> set[str]:
+    """`ends` and every node they read, transitively (data or control edges)."""
+    above, stack = set(ends), list(ends)
     while stack:
         for spec in graph.node(stack.pop()).input:
             src = parse_input(spec)[0]
-            if src not in live:
-                live.add(src)
+            if src not in above:
+                above.add(src)
                 stack.append(src)
-    return [Skip(s.name, NOT_RUN) for s in sites if outer_node(s.name) not in live]
+    return above
+
+
+def trained_alone(tower: Mapping[str, str], runs: Mapping[str, frozenset[str]]) -> tuple[list[Skip], str]:
+    """The sites that only steps sharing no site with the main step (the one running most towers)
+    run: such a step trains one device (Keras' template model fitted on its own after the
+    multi-tower fit), so its sites are set aside and it runs as it is. With why the graph cannot be
+    synchronized ("" if it can): a step sharing sites with the main step that runs no site of some
+    of its towers.
+    `tower`: site -> its tower (the sites to consider); `runs`: step -> the sites it runs."""
+    runs = {step: sites & tower.keys() for step, sites in runs.items()}
+    runs = {step: sites for step, sites in runs.items() if sites}
+    if not runs:
+        return [], ""
+    main = max(runs, key=lambda step: len({tower[s] for s in runs[step]}))
+    apart = {step: sites for step, sites in runs.items() if sites.isdisjoint(runs[main])}
+    every = {tower[s] for s in runs[main]}
+    for step, sites in runs.items():
+        lacks = every - {tower[s] for s in sites}
+        if step not in apart and lacks:
+            return [], (f"training step {step} runs batch norm {min(sites & runs[main])} but no batch norm of tower(s) "
+                        f"{_towers(lacks)}, which step {main} trains with it: their all-reduces would wait forever in "
+                        f"{step}; train every tower in one step, or a single tower in a graph of its own")
+    together = set().union(*(sites for step, sites in runs.items() if step not in apart))
+    alone: dict[str, str] = {}
+    for step, sites in apart.items():
+        if len({tower[s] for s in sites}) == 1:  # several towers: a second model's, synchronized as its own
+            alone.update((s, step) for s in sites if s not in together)
+    return [Skip(s, f"only training step {step} runs it, which runs no batch norm of the other towers: it trains "
+                    "one device, as it is (e.g. a Keras template model fitted on its own after the multi-tower fit); "
+                    "not a tower") for s, step in alone.items()], ""
+
+
+def partial_step(members: list[list[str]], runs: Mapping[str, frozenset[str]]) -> str:
+    """Why a step would wait forever ("" if none would): it runs some of the sites that one
+    all-reduce joins but not all. `members`: each all-reduce's sites, in tower order."""
+    for sites in members:
+        for step, ran in runs.items():
+            taken = [s for s in sites if s in ran]
+            if taken and len(taken) < len(sites):
+                missing = [s for s in sites if s not in ran]
+                return (f"training step {step} runs batch norm {taken[0]} but not {missing[0]}, which it is synchronized "
+                        f"with: their all-reduce would wait forever in {step}; train every tower in one step, or a "
+                        "single tower in a graph of its own")
+    return ""
+
+
+def _towers(towers: set[str]) -> str:
+    return ", ".join(sorted(t or "(no device)" for t in towers))

@@ -67,6 +67,13 @@ def choose_tower_by(sites: list[Site], by: str) -> str:
     return "device" if len(devices) >= 2 else "scope"
 
 
+def tower_map(sites: list[Site], by: str) -> dict[str, str]:
+    """Site -> its tower, told apart by `by` ("auto" chosen as group_towers chooses)."""
+    by = choose_tower_by(sites, by)
+    replica_scopes = by == "scope" and any(_REPLICA_SCOPE.fullmatch(s.name.split("/", 1)[0]) for s in sites)
+    return {s.name: tower_of(s, by, replica_scopes) for s in sites}
+
+
 def group_towers(graph: Graph, sites: list[Site], by: str = "auto", min_towers: int = 2) -> Towers:
     """Assign every site a tower and group the copies of each layer.
 
@@ -74,8 +81,7 @@ def group_towers(graph: Graph, sites: list[Site], by: str = "auto", min_towers: 
     op, format, dtype or attributes, are skipped whole with the reason.
     """
     requested, by = by, choose_tower_by(sites, by)
-    replica_scopes = by == "scope" and any(_REPLICA_SCOPE.fullmatch(s.name.split("/", 1)[0]) for s in sites)
-    tower = {s.name: tower_of(s, by, replica_scopes) for s in sites}
+    tower = tower_map(sites, by)
     ids = sorted(set(tower.values()), key=_natural)
     if len(ids) < min_towers or not ids:
         where = f"device {shown_tower(ids[0])}" if by == "device" and ids else f"scope {ids[0]!r}" if ids else "nowhere"

@@ -125,7 +125,7 @@ def may_write_variables(graph: Graph, node: object) -> bool:
         if name not in library:
             return True  # a function the graph does not hold: nothing says it writes nothing
         for inner in library[name].node_def:
-            if _writes(inner.op):
+            if writes(inner.op):
                 return True
             if inner.op in library:
                 pending.append(inner.op)
@@ -144,7 +144,8 @@ def _functions_of(node: object) -> list[str]:
     return names
 
 
-def _writes(op: str) -> bool:
+def writes(op: str) -> bool:
+    """Whether an op of type `op` writes a variable (assigns, optimizers' updates, scatters)."""
     return op in ASSIGN_OPS or op.startswith(_APPLY_PREFIXES) or op.startswith(_SCATTER_PREFIXES)
 
 

@@ -17,6 +17,11 @@
 * multi_gpu: the `keras.utils.multi_gpu_model` pattern (Keras <= 2.3): slice the batch with
   `Lambda`, call the model per slice under `tf.device`, `concatenate`; compile + fit the merged
   model.
+* multi_gpu_soft: the same with the towers on `/gpu:i` in a session without GPUs (soft placement
+  puts both on the CPU; batch norm under the learning-phase cond v2); learning_phase_soft: the
+  per-tower loop so (issue 49).
+* multi_gpu_then_template: multi_gpu, then the template model compiled and fitted on its own on
+  one device (the all-reduces must not span the template's own call).
 * mirrored_fit: compile and fit under `tf.distribute.MirroredStrategy` (one replica per device);
   mirrored_fit_unfused: the same with `fused=False` batch norm (each replica's gradients come
   from a tf.GradientTape, whose moments' gradients carry no `mean_grad` scope).
@@ -48,7 +53,10 @@ from tf_keras.src import backend  # noqa: E402
 
 tf1 = tf.compat.v1
 CASES = ("functional", "learning_phase", "cond_v1", "set_learning_phase", "update_ops", "sequential", "unfused",
-         "unfused_any_batch", "renorm", "float16", "mobilenet", "multi_gpu", "mirrored_fit", "mirrored_fit_unfused")
+         "unfused_any_batch", "renorm", "float16", "mobilenet", "multi_gpu", "mirrored_fit", "mirrored_fit_unfused",
+         "multi_gpu_soft", "learning_phase_soft", "multi_gpu_then_template")
+#: Cases whose towers ask for GPUs this machine lacks: soft placement runs them on its one CPU.
+SOFT = ("multi_gpu_soft", "learning_phase_soft")
 STEPS, CLASSES = 3, 3
 
 
@@ -107,8 +115,10 @@ def _data(case: str, total: int, perturb: float) -> tuple[np.ndarray, np.ndarray
     return images * np.float32(1 + perturb), targets
 
 
-def _session(towers: int) -> tf1.Session:
-    session = tf1.Session(config=tf1.ConfigProto(device_count={"CPU": max(towers, 1)}))
+def _session(towers: int, case: str = "") -> tf1.Session:
+    config = (tf1.ConfigProto(allow_soft_placement=True) if case in SOFT
+              else tf1.ConfigProto(device_count={"CPU": max(towers, 1)}))
+    session = tf1.Session(config=config)
     backend.set_session(session)
     return session
 
@@ -118,7 +128,7 @@ def _per_tower(case: str, towers: int, batch: int, images: np.ndarray, targets: 
     if case == "set_learning_phase":
         keras.backend.set_learning_phase(1)
     model = _model(case)
-    session = _session(towers)
+    session = _session(towers, case)
     image = _image(case)
     rows = None if case == "unfused_any_batch" else towers * batch
     x = tf1.placeholder(tf.float32, [rows, image, image, 3], name="images")
@@ -126,9 +136,9 @@ def _per_tower(case: str, towers: int, batch: int, images: np.ndarray, targets: 
     optimizer = tf1.train.GradientDescentOptimizer(0.002 if case == "mobilenet" else 0.1)
     grads, updates = [], []
     for i in range(towers):
-        with tf.device(f"/cpu:{i}"), tf1.name_scope(f"tower_{i}"):
+        with tf.device(f"/{'gpu' if case in SOFT else 'cpu'}:{i}"), tf1.name_scope(f"tower_{i}"):
             part = x[i * batch:(i + 1) * batch]
-            out = model(part) if case in ("learning_phase", "cond_v1") else model(part, training=True)
+            out = model(part) if case in ("learning_phase", "cond_v1", *SOFT) else model(part, training=True)
             loss = tf.reduce_mean(tf.square(tf.cast(out, tf.float32) - y[i * batch:(i + 1) * batch]))
             grads.append(optimizer.compute_gradients(loss, model.trainable_weights))
             updates += model.get_updates_for(part)
@@ -142,7 +152,7 @@ def _per_tower(case: str, towers: int, batch: int, images: np.ndarray, targets: 
         train_op = tf.group(optimizer.apply_gradients(averaged), *updates, name="train_op")
     session.run(tf1.global_variables_initializer())
     _initial(model)
-    feeds = {keras.backend.learning_phase(): 1} if case in ("learning_phase", "cond_v1") else {}
+    feeds = {keras.backend.learning_phase(): 1} if case in ("learning_phase", "cond_v1", *SOFT) else {}
     total = towers * batch
     for step in range(STEPS):
         part = slice(step * total, (step + 1) * total)
@@ -150,7 +160,7 @@ def _per_tower(case: str, towers: int, batch: int, images: np.ndarray, targets: 
     return model
 
 
-def _multi_gpu(model: keras.Model, towers: int) -> keras.Model:
+def _multi_gpu(model: keras.Model, towers: int, device: str = "cpu") -> keras.Model:
     """keras.utils.multi_gpu_model as Keras 2.2 wrote it: slice, call per device, concatenate."""
     def get_slice(data: tf.Tensor, i: int, parts: int) -> tf.Tensor:
         size = tf.shape(data)[:1] // parts
@@ -159,7 +169,7 @@ def _multi_gpu(model: keras.Model, towers: int) -> keras.Model:
     inputs = keras.Input(model.input_shape[1:])
     outputs = []
     for i in range(towers):
-        with tf.device(f"/cpu:{i}"), tf1.name_scope(f"replica_{i}"):
+        with tf.device(f"/{device}:{i}"), tf1.name_scope(f"replica_{i}"):
             part = keras.layers.Lambda(get_slice, arguments={"i": i, "parts": towers})(inputs)
             outputs.append(model(part))
     with tf.device("/cpu:0"):
@@ -168,7 +178,7 @@ def _multi_gpu(model: keras.Model, towers: int) -> keras.Model:
 
 
 def _fit(case: str, towers: int, batch: int, images: np.ndarray, targets: np.ndarray) -> keras.Model:
-    _session(towers)
+    _session(towers, case)
     if case.startswith("mirrored_fit") and towers > 1:
         with tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(towers)]).scope():
             model = _model(case)
@@ -176,10 +186,14 @@ def _fit(case: str, towers: int, batch: int, images: np.ndarray, targets: np.nda
         trained = model
     else:
         model = _model(case)
-        trained = _multi_gpu(model, towers) if towers > 1 else model
+        trained = _multi_gpu(model, towers, "gpu" if case in SOFT else "cpu") if towers > 1 else model
         trained.compile(keras.optimizers.legacy.SGD(0.1), "mse")
     _initial(model)
     trained.fit(images, targets, batch_size=towers * batch, epochs=1, shuffle=False, verbose=0)
+    if case == "multi_gpu_then_template":  # fine-tuned on one device: the template's own train op
+        if trained is not model:
+            model.compile(keras.optimizers.legacy.SGD(0.1), "mse")
+        model.fit(images, targets, batch_size=towers * batch, epochs=1, shuffle=False, verbose=0)
     return model
 
 
@@ -215,8 +229,8 @@ def train(case: str, towers: int, batch: int, perturb: float = 0.0) -> dict[str,
     keras.mixed_precision.set_global_policy("mixed_float16" if case == "float16" else "float32")
     (tf1.disable_control_flow_v2 if case == "cond_v1" else tf1.enable_control_flow_v2)()
     images, targets = _data(case, STEPS * towers * batch, perturb)
-    model = (_fit if case in ("multi_gpu", "mirrored_fit", "mirrored_fit_unfused") else _per_tower)(case, towers, batch, images,
-                                                                                              targets)
+    fits = ("multi_gpu", "mirrored_fit", "mirrored_fit_unfused", "multi_gpu_soft", "multi_gpu_then_template")
+    model = (_fit if case in fits else _per_tower)(case, towers, batch, images, targets)
     weights = _weights(model)
     if case == "mobilenet":  # the small cases check the checkpoints; MobileNetV2 takes seconds to build
         return weights
