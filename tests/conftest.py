@@ -47,6 +47,7 @@ SLOW_TESTS = (
     "test_visualize.py::test_png_without_system_dot",
     "test_kernels.py::test_kernel_path_trains_like_one_device",
     "test_forward_outputs.py::test_relu_stays_fused_with_the_batch_norm",
+    "test_layer_nodes.py::",
     "test_newcomer.py::test_check_help",
     "test_oracle.py::",
     "test_run.py::test_unmodified_trainers",
