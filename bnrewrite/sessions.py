@@ -31,6 +31,7 @@ from bnrewrite.live import (
     LiveOptions,
     Shadow,
     decide,
+    growth,
     late_refusal,
     make_shadow,
     note,
@@ -247,7 +248,7 @@ def _current(session: Any) -> Shadow | None:
         return _late_shadow(session) if getattr(session, "_bnrewrite_watch", False) else None
     shadow.catch_up(session._graph)
     while shadow.replaced_by is not None and not getattr(session, "_bnrewrite_stays", False):
-        moved = _move(session, shadow.replaced_by, shadow.graph)
+        moved = _move(session, shadow.replaced_by, shadow.graph, grown_from=shadow)
         if moved is None:  # refused, --allow-unsynced: it goes on as it is
             session._bnrewrite_stays = True
             break
@@ -274,7 +275,8 @@ def _late_shadow(session: Any) -> Shadow | None:
             if not any(op.type in MAY_TRAIN_BATCH_NORM for op in graph.get_operations()[decision.version:]):
                 decision.version = graph.version
                 return None
-            decision = state.decisions[graph] = decide(graph, session._config, options, again=True)
+            decision = state.decisions[graph] = decide(graph, session._config, options, again=True,
+                                                       number=decision.number)
             if decision.shadow is None:
                 return None
         shadow = decision.shadow
@@ -282,16 +284,19 @@ def _late_shadow(session: Any) -> Shadow | None:
     return _move(session, shadow, graph)
 
 
-def _move(session: Any, shadow: Shadow, old_graph: Any) -> Shadow | None:
+def _move(session: Any, shadow: Shadow, old_graph: Any, grown_from: Shadow | None = None) -> Shadow | None:
     """Replace the TensorFlow session under `session` (on `old_graph`) by one on `shadow`, which
     gets the values of the variables the old one initialized when it has run (bnrewrite.carry).
-    A session holding state that cannot be carried (queues, iterators, tables) is refused."""
+    `grown_from`: the synchronized graph the session ran, which `shadow` replaces (the script's
+    graph grew). A session holding state that cannot be carried (queues, iterators, tables) is refused."""
     from tensorflow.python.client import pywrap_tf_session as tf_session
 
     session._config = step_config(session._config, shadow)
     if not getattr(session, "_bnrewrite_ran", 0):
         new = new_session(session, shadow.graph)
-        how = "its session was created before the model: it runs the synchronized graph from its first step"
+        how = (f"{growth(grown_from, shadow)} before its session's first step: it runs the graph synchronized again "
+               "from its first step" if grown_from is not None else
+               "its session was created before the model: it runs the synchronized graph from its first step")
     else:
         script_ops = session._graph.get_operations()
         again, held = restarts(session._graph, script_ops[:session._bnrewrite_ran],
@@ -303,7 +308,9 @@ def _move(session: Any, shadow: Shadow, old_graph: Any) -> Shadow | None:
                 "unsynchronized: build the whole model, train op included, before the first session.run"))
             return None
         new, count = carry(session, old_graph, script_ops, shadow.graph, again)
-        how = (f"its session ran before the graph trained batch norm on several towers (e.g. Keras' fit after "
+        how = (f"{growth(grown_from, shadow)} after its session ran: the session moves to the graph synchronized "
+               f"again, with the values of its {count} initialized variable(s)" if grown_from is not None else
+               f"its session ran before the graph trained batch norm on several towers (e.g. Keras' fit after "
                f"compile): it moves to the synchronized graph with the values of its {count} initialized variable(s)")
     old, session._session = session._session, new
     tf_session.TF_CloseSession(old)
