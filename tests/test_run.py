@@ -281,6 +281,10 @@ def test_report_is_written_where_and_however_the_script_ends(tmp_path):
     (["run", "missing.py"], "can't open file 'missing.py'"),
     (["run", "--no-such-option", "x.py"], "unrecognized arguments: --no-such-option"),
     (["run", "--backend", "gpu", "x.py"], "invalid choice: 'gpu'"),
+    (["run", "--report", "", "x.py"], "argument --report: '' is an empty path (an unset variable?)"),
+    (["convert", "a.pb", "b.pb", "--report", ""], "argument --report: '' is an empty path"),
+    (["convert", "a.pb", "b.pb", "--tensorboard", ""], "argument --tensorboard: '' is an empty path"),
+    (["verify", "a.pb", "--report", ""], "argument --report: '' is an empty path"),
 ])
 def test_command_line_mistakes_are_usage_errors(tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.chdir(tmp_path)
