@@ -356,27 +356,59 @@ def _checked_step(session: Any, shadow: Shadow, first: Any, names: list[str], ta
     """The script's run, as BaseSession._do_run makes it, with the first step's check around it."""
     from bnrewrite.errors import PassError, UnsyncedLayerError
 
+    from tensorflow.python.client import pywrap_tf_session as tf_session
+
     feeds = {t.deref()._as_tf_output(): v for t, v in feed_dict.items()}
     fetches = [t._as_tf_output() for t in fetch_list]
     targets = [op._c_op for op in target_list]
+    traced = run_metadata is None  # the script's own metadata is left as it asked for it
+    step_options = _placement_options(options) if traced else options
+    step_metadata = tf_session.TF_NewBuffer() if traced else run_metadata
 
     def step(extra: list[Any], extra_feeds: dict[Any, Any]) -> list[Any]:
         def run() -> list[Any]:
             session._extend_graph()
-            return session._call_tf_sessionrun(options, {**feeds, **extra_feeds}, fetches + extra, targets, run_metadata)
+            return session._call_tf_sessionrun(step_options, {**feeds, **extra_feeds}, fetches + extra, targets,
+                                               step_metadata)
 
         return session._do_call(run)
 
     try:
         values, verdict = first.run(session, step, names)
+        if traced:
+            verdict.ran_on = first.check.ran_on(_partition_graphs(step_metadata))
     except (PassError, UnsyncedLayerError) as exc:
         _failed(shadow, exc)
+    finally:
+        if traced:
+            tf_session.TF_DeleteBuffer(step_options)
+            tf_session.TF_DeleteBuffer(step_metadata)
     record_verdict(shadow.number, {"passed": True, **verdict.to_dict()})
     note(shadow.options, f"graph {shadow.number}: {verdict.line()}")
     if shadow.options.verbose:
         for layer in verdict.layers:
             note(shadow.options, f"graph {shadow.number}:   {layer.line()}")
     return values
+
+
+def _placement_options(options: Any) -> Any:
+    """A RunOptions buffer: the script's (a buffer or None) asking for the partition graphs too,
+    which tell where soft placement ran each op."""
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.client import pywrap_tf_session as tf_session
+
+    proto = config_pb2.RunOptions()
+    if options is not None:
+        proto.ParseFromString(tf_session.TF_GetBuffer(options))
+    proto.output_partition_graphs = True
+    return tf_session.TF_NewBufferFromString(proto.SerializeToString())
+
+
+def _partition_graphs(metadata: Any) -> list[Any]:
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.client import pywrap_tf_session as tf_session
+
+    return list(config_pb2.RunMetadata.FromString(tf_session.TF_GetBuffer(metadata)).partition_graphs)
 
 
 def _default_graph() -> Any:

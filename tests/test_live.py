@@ -201,6 +201,24 @@ def test_verify_checks_the_first_step_once(spec, capsys):
     assert_synced("verify", got, unrewritten_run(spec, 2), one_device_run(spec, 2), TOLERANCE[spec.dtype])  # once
 
 
+def test_verify_says_where_soft_placement_ran_the_towers(monkeypatch, capsys):
+    """Towers asked for /gpu:k on a machine without GPUs, placed by soft placement: the line names
+    the devices asked for and where the towers ran; they train like one device."""
+    import towers_model
+
+    spec = Spec(device="gpu")
+    soft = session_config(spec.towers)
+    soft.allow_soft_placement = True
+    monkeypatch.setattr(towers_model, "session_config", lambda devices: soft)
+    built = build_towers(spec)
+    with bnrewrite.enabled(verify=True):
+        got = train(built.graph, built, make_batches(spec, 2), num_devices=spec.towers)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "verified" in line]
+    assert len(lines) == 1 and "verified 2 layers x 2 towers on /device:GPU:0..1 (ran on /device:CPU:0): worst " in lines[0]
+    unsynced = train(built.graph, built, make_batches(spec, 2), num_devices=spec.towers)
+    assert_synced("soft placement", got, unsynced, one_device_run(Spec(), 2), 2e-5)
+
+
 def test_cond_v2_layers_are_named_not_checked(capsys):
     spec = Spec(towers=2, batch=2, layer="legacy_cond_v2")
     built = build_towers(spec)
