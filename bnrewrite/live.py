@@ -353,7 +353,7 @@ def decide(graph: Any, config: Any, options: LiveOptions, again: bool = False,
     unsynced = ", ".join(f"{s['node']} ({s['reason']})" for s in report.skipped)
     _record(number, "synchronized", f"left unsynchronized (--allow-unsynced): {unsynced}" if unsynced else "", report)
     if options.verbose:
-        note(options, f"graph {number}: " + report.text().removeprefix("bnrewrite: ").rstrip())
+        note(options, f"graph {number}: " + report.text(verbose=True).removeprefix("bnrewrite: ").rstrip())
     else:
         note(options, f"graph {number}: " + report.text().splitlines()[0].removeprefix("bnrewrite: ")
               + "".join(f"; {n}" for n in report.notes))

@@ -47,6 +47,18 @@ def test_enable_trains_like_one_device_and_disable_stops(capsys):
         rewrite_graph(built.graph, in_place=True)
 
 
+def test_verbose_lists_every_op_removed(capsys):
+    """enable(verbose=True) (`run -v`) prints the whole report: every op the rewrite removed,
+    none cut behind a pointer to the Python API."""
+    built = build_towers(SPEC)
+    removed = rewrite_graph(built.graph).report.removed
+    with bnrewrite.enabled(verbose=True):
+        train(built.graph, built, make_batches(SPEC, 1), num_devices=SPEC.towers)
+    err = capsys.readouterr().err
+    assert len(removed) > 5 and all(f"  {r['node']}: {r['why']}" in err for r in removed)
+    assert "lists them" not in err
+
+
 def test_in_place_sessions_run_the_synchronized_graph():
     built = build_towers(SPEC)
     result = rewrite_graph(built.graph, in_place=True)
