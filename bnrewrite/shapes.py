@@ -3,7 +3,8 @@
 A GraphDef saved without `_output_shapes` (`graph.as_graph_def()`, a bare .pb) still tells
 the shapes the rewrite's decisions need (how many elements a batch-norm input has per tower):
 placeholders, variables and constants carry theirs in attributes, and the ops between them
-and a batch norm (convolutions, pools, elementwise ops, reshapes, reductions...) fix the rest.
+and a batch norm (convolutions, pools, elementwise ops, reshapes, reductions, splits and
+slices...) fix the rest.
 `ShapeInference` propagates them upstream-first from the tensors asked about, visiting each
 ancestor once and only through ops it knows: an op it does not know, a missing attribute or a
 non-constant shape argument leaves the shape unknown (None), never a guess. Each rule follows
