@@ -361,9 +361,8 @@ def _checked_step(session: Any, shadow: Shadow, first: Any, names: list[str], ta
     feeds = {t.deref()._as_tf_output(): v for t, v in feed_dict.items()}
     fetches = [t._as_tf_output() for t in fetch_list]
     targets = [op._c_op for op in target_list]
-    traced = run_metadata is None  # the script's own metadata is left as it asked for it
-    step_options = _placement_options(options) if traced else options
-    step_metadata = tf_session.TF_NewBuffer() if traced else run_metadata
+    step_options = _placement_options(options)  # where the towers ran: the step's partition graphs,
+    step_metadata = tf_session.TF_NewBuffer() if run_metadata is None else run_metadata  # also in the script's
 
     def step(extra: list[Any], extra_feeds: dict[Any, Any]) -> list[Any]:
         def run() -> list[Any]:
@@ -375,13 +374,12 @@ def _checked_step(session: Any, shadow: Shadow, first: Any, names: list[str], ta
 
     try:
         values, verdict = first.run(session, step, names)
-        if traced:
-            verdict.ran_on = first.check.ran_on(_partition_graphs(step_metadata))
+        verdict.ran_on = first.check.ran_on(_partition_graphs(step_metadata))
     except (PassError, UnsyncedLayerError) as exc:
         _failed(shadow, exc)
     finally:
-        if traced:
-            tf_session.TF_DeleteBuffer(step_options)
+        tf_session.TF_DeleteBuffer(step_options)
+        if run_metadata is None:
             tf_session.TF_DeleteBuffer(step_metadata)
     record_verdict(shadow.number, {"passed": True, **verdict.to_dict()})
     note(shadow.options, f"graph {shadow.number}: {verdict.line()}")
