@@ -111,6 +111,7 @@ class Shadow:
 class Decision:
     shadow: Shadow | None
     version: int  # the script graph's version when decided
+    number: int = 0  # the graph's number in the messages and records, one for its whole life
     in_place: bool = False  # rewrite_graph(g, in_place=True): synchronized whether enable() is on or not
 
 
@@ -152,6 +153,16 @@ def _signature(report: Any) -> tuple:
     """What a rewrite synchronized (each layer's sites and gradients) and skipped."""
     return (tuple((tuple(row.sites), tuple(row.gradients)) for row in report.layers),
             tuple(s["node"] for s in report.skipped))
+
+
+def growth(old: Shadow, new: Shadow) -> str:
+    """What a graph synchronized again after it grew gained, from the two rewrites' signatures."""
+    def counts(signature: tuple) -> tuple[int, int]:
+        return len(signature[0]), sum(len(gradients) for _, gradients in signature[0])
+
+    (layers, gradients), (had_layers, had_gradients) = counts(new.signature), counts(old.signature)
+    return (f"the graph grew (a model or train op added; now {layers} batch-norm layer(s) with {gradients} gradient "
+            f"op(s) synchronized, {had_layers} with {had_gradients} before)")
 
 
 def late_refusal(number: int, options: LiveOptions, exc: BnRewriteError) -> None:
@@ -298,20 +309,21 @@ def shadow_for(graph: Any, config: Any) -> Shadow | None:
             return decision.shadow if decision.in_place or options is not None else None
         if options is None or (decision is not None and decision.version == graph.version):
             return None
-        decision = decide(graph, config, options)
+        decision = decide(graph, config, options, number=decision.number if decision is not None else 0)
         state.decisions[graph] = decision
         return decision.shadow
 
 
 def decide(graph: Any, config: Any, options: LiveOptions, again: bool = False,
-            previous: Shadow | None = None, exported: tuple[int, Any] | None = None) -> Decision:
+            previous: Shadow | None = None, exported: tuple[int, Any] | None = None, number: int = 0) -> Decision:
     """Rewrite `graph` for its session; `again`: looked at again after it grew, so a graph that
     still has nothing to synchronize gets no second record or line; `previous`: the shadow it
     had, kept (no record or line) when the rewrite synchronizes the same layers; `exported`:
-    (version, GraphDef) of the graph, already exported by the caller (rewritten here in place)."""
+    (version, GraphDef) of the graph, already exported by the caller (rewritten here in place);
+    `number`: the graph's, when decided before (also `previous`'s), else the next one."""
     from bnrewrite.api import rewrite_graph
 
-    number = len(state.records) + 1
+    number = number or (previous.number if previous is not None else 0) or len(state.records) + 1
     version, graph_def = exported or (graph.version, graph.as_graph_def())
     count = len(graph_def.node)
     try:
@@ -322,34 +334,34 @@ def decide(graph: Any, config: Any, options: LiveOptions, again: bool = False,
         return _refused(number, exc, options, version)
     except NOTHING_TO_SYNC as exc:
         if again:
-            return Decision(None, version)
+            return Decision(None, version, number)
         _record(number, "unchanged", str(exc), None)
         note(options, f"graph {number} runs unchanged: {exc}")
-        return Decision(None, version)
+        return Decision(None, version, number)
     except BnRewriteError as exc:
         return _refused(number, exc, options, version)
     if previous is not None and (result.report.already_rewritten or _signature(result.report) == previous.signature):
-        return Decision(previous, version)
+        return Decision(previous, version, number)
     if result.report.already_rewritten:
         if again:
-            return Decision(None, version)
+            return Decision(None, version, number)
         _record(number, "unchanged", "already rewritten by bnrewrite", result.report)
         note(options, f"graph {number} runs unchanged: it was already rewritten by bnrewrite")
-        return Decision(None, version)
+        return Decision(None, version, number)
     if not any(row.gradients for row in result.report.layers):
         if again or previous is not None:
-            return Decision(previous, version)
+            return Decision(previous, version, number)
         why = ("its training batch norm has no gradient in the graph yet (a model built before its train op, e.g. "
                "Keras' compile before fit): nothing trains, so it runs as it is until gradients are added")
         _record(number, "unchanged", why, None)
         note(options, f"graph {number} runs unchanged: {why}")
-        return Decision(None, version)
+        return Decision(None, version, number)
     shadow = make_shadow(count, result, number, options, config)
     report = result.report
     unsynced = ", ".join(f"{s['node']} ({s['reason']})" for s in report.skipped)
     _record(number, "synchronized", f"left unsynchronized (--allow-unsynced): {unsynced}" if unsynced else "", report)
     if options.verbose:
-        note(options, f"graph {number}: " + report.text().removeprefix("bnrewrite: ").rstrip())
+        note(options, f"graph {number}: " + report.text(verbose=True).removeprefix("bnrewrite: ").rstrip())
     else:
         note(options, f"graph {number}: " + report.text().splitlines()[0].removeprefix("bnrewrite: ")
               + "".join(f"; {n}" for n in report.notes))
@@ -363,15 +375,16 @@ def decide(graph: Any, config: Any, options: LiveOptions, again: bool = False,
         record_verdict(number, {"passed": None, "not_checked": not_checked})
         note(options, f"graph {number}: nothing verified: its {len(not_checked)} layer(s) are inside function "
                        f"bodies (control flow v2), which the check cannot fetch ({', '.join(not_checked)})")
-    return Decision(shadow, version)
+    return Decision(shadow, version, number)
 
 
 def _refused(number: int, exc: BnRewriteError, options: LiveOptions, version: int) -> Decision:
+    """Record and say a refusal: under allow_unsynced the graph runs as it is, else its error."""
     if options.allow_unsynced:
         _record(number, "unsynced", str(exc), None)
         print(f"bnrewrite: warning: graph {number} runs UNSYNCHRONIZED (--allow-unsynced): {exc}",
               file=sys.stderr, flush=True)
-        return Decision(None, version)
+        return Decision(None, version, number)
     _record(number, "refused", str(exc), None)
     if options.exit_on_refusal:
         print(f"bnrewrite: error: graph {number} refused, the script is stopped before its first step: {exc}",
@@ -381,8 +394,13 @@ def _refused(number: int, exc: BnRewriteError, options: LiveOptions, version: in
 
 
 def _record(number: int, outcome: str, why: str, report: Any) -> None:
-    state.records.append({"graph": number, "outcome": outcome, "why": why,
-                           "report": report.to_dict() if report is not None else None})
+    """The graph's record, made at its first decision and brought up to date at a later one."""
+    entry = {"graph": number, "outcome": outcome, "why": why, "report": report.to_dict() if report is not None else None}
+    record = next((r for r in state.records if r["graph"] == number), None)
+    if record is None:
+        state.records.append(entry)
+    else:
+        record.update(entry)
 
 
 def note(options: LiveOptions, text: str) -> None:

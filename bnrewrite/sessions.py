@@ -31,6 +31,7 @@ from bnrewrite.live import (
     LiveOptions,
     Shadow,
     decide,
+    growth,
     late_refusal,
     make_shadow,
     note,
@@ -247,7 +248,7 @@ def _current(session: Any) -> Shadow | None:
         return _late_shadow(session) if getattr(session, "_bnrewrite_watch", False) else None
     shadow.catch_up(session._graph)
     while shadow.replaced_by is not None and not getattr(session, "_bnrewrite_stays", False):
-        moved = _move(session, shadow.replaced_by, shadow.graph)
+        moved = _move(session, shadow.replaced_by, shadow.graph, grown_from=shadow)
         if moved is None:  # refused, --allow-unsynced: it goes on as it is
             session._bnrewrite_stays = True
             break
@@ -274,7 +275,8 @@ def _late_shadow(session: Any) -> Shadow | None:
             if not any(op.type in MAY_TRAIN_BATCH_NORM for op in graph.get_operations()[decision.version:]):
                 decision.version = graph.version
                 return None
-            decision = state.decisions[graph] = decide(graph, session._config, options, again=True)
+            decision = state.decisions[graph] = decide(graph, session._config, options, again=True,
+                                                       number=decision.number)
             if decision.shadow is None:
                 return None
         shadow = decision.shadow
@@ -282,16 +284,19 @@ def _late_shadow(session: Any) -> Shadow | None:
     return _move(session, shadow, graph)
 
 
-def _move(session: Any, shadow: Shadow, old_graph: Any) -> Shadow | None:
+def _move(session: Any, shadow: Shadow, old_graph: Any, grown_from: Shadow | None = None) -> Shadow | None:
     """Replace the TensorFlow session under `session` (on `old_graph`) by one on `shadow`, which
     gets the values of the variables the old one initialized when it has run (bnrewrite.carry).
-    A session holding state that cannot be carried (queues, iterators, tables) is refused."""
+    `grown_from`: the synchronized graph the session ran, which `shadow` replaces (the script's
+    graph grew). A session holding state that cannot be carried (queues, iterators, tables) is refused."""
     from tensorflow.python.client import pywrap_tf_session as tf_session
 
     session._config = step_config(session._config, shadow)
     if not getattr(session, "_bnrewrite_ran", 0):
         new = new_session(session, shadow.graph)
-        how = "its session was created before the model: it runs the synchronized graph from its first step"
+        how = (f"{growth(grown_from, shadow)} before its session's first step: it runs the graph synchronized again "
+               "from its first step" if grown_from is not None else
+               "its session was created before the model: it runs the synchronized graph from its first step")
     else:
         script_ops = session._graph.get_operations()
         again, held = restarts(session._graph, script_ops[:session._bnrewrite_ran],
@@ -303,7 +308,9 @@ def _move(session: Any, shadow: Shadow, old_graph: Any) -> Shadow | None:
                 "unsynchronized: build the whole model, train op included, before the first session.run"))
             return None
         new, count = carry(session, old_graph, script_ops, shadow.graph, again)
-        how = (f"its session ran before the graph trained batch norm on several towers (e.g. Keras' fit after "
+        how = (f"{growth(grown_from, shadow)} after its session ran: the session moves to the graph synchronized "
+               f"again, with the values of its {count} initialized variable(s)" if grown_from is not None else
+               f"its session ran before the graph trained batch norm on several towers (e.g. Keras' fit after "
                f"compile): it moves to the synchronized graph with the values of its {count} initialized variable(s)")
     old, session._session = session._session, new
     tf_session.TF_CloseSession(old)
@@ -349,27 +356,57 @@ def _checked_step(session: Any, shadow: Shadow, first: Any, names: list[str], ta
     """The script's run, as BaseSession._do_run makes it, with the first step's check around it."""
     from bnrewrite.errors import PassError, UnsyncedLayerError
 
+    from tensorflow.python.client import pywrap_tf_session as tf_session
+
     feeds = {t.deref()._as_tf_output(): v for t, v in feed_dict.items()}
     fetches = [t._as_tf_output() for t in fetch_list]
     targets = [op._c_op for op in target_list]
+    step_options = _placement_options(options)  # where the towers ran: the step's partition graphs,
+    step_metadata = tf_session.TF_NewBuffer() if run_metadata is None else run_metadata  # also in the script's
 
     def step(extra: list[Any], extra_feeds: dict[Any, Any]) -> list[Any]:
         def run() -> list[Any]:
             session._extend_graph()
-            return session._call_tf_sessionrun(options, {**feeds, **extra_feeds}, fetches + extra, targets, run_metadata)
+            return session._call_tf_sessionrun(step_options, {**feeds, **extra_feeds}, fetches + extra, targets,
+                                               step_metadata)
 
         return session._do_call(run)
 
     try:
         values, verdict = first.run(session, step, names)
+        verdict.ran_on = first.check.ran_on(_partition_graphs(step_metadata))
     except (PassError, UnsyncedLayerError) as exc:
         _failed(shadow, exc)
+    finally:
+        tf_session.TF_DeleteBuffer(step_options)
+        if run_metadata is None:
+            tf_session.TF_DeleteBuffer(step_metadata)
     record_verdict(shadow.number, {"passed": True, **verdict.to_dict()})
     note(shadow.options, f"graph {shadow.number}: {verdict.line()}")
     if shadow.options.verbose:
         for layer in verdict.layers:
             note(shadow.options, f"graph {shadow.number}:   {layer.line()}")
     return values
+
+
+def _placement_options(options: Any) -> Any:
+    """A RunOptions buffer: the script's (a buffer or None) asking for the partition graphs too,
+    which tell where soft placement ran each op."""
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.client import pywrap_tf_session as tf_session
+
+    proto = config_pb2.RunOptions()
+    if options is not None:
+        proto.ParseFromString(tf_session.TF_GetBuffer(options))
+    proto.output_partition_graphs = True
+    return tf_session.TF_NewBufferFromString(proto.SerializeToString())
+
+
+def _partition_graphs(metadata: Any) -> list[Any]:
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.client import pywrap_tf_session as tf_session
+
+    return list(config_pb2.RunMetadata.FromString(tf_session.TF_GetBuffer(metadata)).partition_graphs)
 
 
 def _default_graph() -> Any:

@@ -3,7 +3,8 @@
 A GraphDef saved without `_output_shapes` (`graph.as_graph_def()`, a bare .pb) still tells
 the shapes the rewrite's decisions need (how many elements a batch-norm input has per tower):
 placeholders, variables and constants carry theirs in attributes, and the ops between them
-and a batch norm (convolutions, pools, elementwise ops, reshapes, reductions...) fix the rest.
+and a batch norm (convolutions, pools, elementwise ops, reshapes, reductions, splits and
+slices...) fix the rest.
 `ShapeInference` propagates them upstream-first from the tensors asked about, visiting each
 ancestor once and only through ops it knows: an op it does not know, a missing attribute or a
 non-constant shape argument leaves the shape unknown (None), never a guess. Each rule follows
@@ -106,6 +107,11 @@ def _attr(node: NodeDef, key: str) -> attr_value_pb2.AttrValue | None:
 def _ints(node: NodeDef, key: str, default: Sequence[int]) -> list[int]:
     value = _attr(node, key)
     return list(value.list.i) if value is not None and value.list.i else list(default)
+
+
+def _int(node: NodeDef, key: str) -> int:
+    value = _attr(node, key)
+    return value.i if value is not None else 0
 
 
 def _text(node: NodeDef, key: str, default: bytes) -> bytes:
@@ -395,6 +401,166 @@ def _merge_op(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shap
     return (tuple(dims[0] if len(set(dims)) == 1 else -1 for dims in zip(*parts)), ())
 
 
+def _axis(value: np.ndarray | None, rank: int) -> int | None:
+    """A constant scalar axis in [-rank, rank), made non-negative; None when not a constant."""
+    if value is None or np.size(value) != 1:
+        return None
+    a = int(np.asarray(value).reshape(-1)[0])
+    if not -rank <= a < rank:
+        raise ValueError("axis out of range")
+    return a % rank
+
+
+def _split(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shape, ...]:
+    """num_split equal parts along a constant axis (split_dim is input 0, the value input 1)."""
+    x, count = ins[1], _int(node, "num_split")
+    if x is None:
+        return (None,) * count
+    a = _axis(_const(producer, 0), len(x))
+    if a is None:
+        return ((-1,) * len(x),) * count
+    if x[a] >= 0 and x[a] % count:
+        raise ValueError("split does not divide")
+    return (x[:a] + (x[a] // count if x[a] >= 0 else -1,) + x[a + 1:],) * count
+
+
+def _split_v(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shape, ...]:
+    """Parts of constant sizes (one may be -1: the rest) along a constant axis (input 2)."""
+    x, count = ins[0], _int(node, "num_split")
+    if x is None:
+        return (None,) * count
+    a, sizes = _axis(_const(producer, 2), len(x)), _const(producer, 1)
+    if a is None:
+        return ((-1,) * len(x),) * count
+    if sizes is None:
+        return (x[:a] + (-1,) + x[a + 1:],) * count
+    dims = [int(d) for d in np.asarray(sizes).reshape(-1)]
+    free = [i for i, d in enumerate(dims) if d == -1]
+    if len(dims) != count or len(free) > 1 or any(d < -1 for d in dims):
+        raise ValueError("bad size_splits")
+    if x[a] >= 0:
+        rest = x[a] - sum(d for d in dims if d >= 0)
+        if rest < 0 or rest and not free:
+            raise ValueError("size_splits do not add up")
+        if free:
+            dims[free[0]] = rest
+    return tuple(x[:a] + (d,) + x[a + 1:] for d in dims)
+
+
+def _unpack(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shape, ...]:
+    """`num` tensors, the input without dimension `axis`."""
+    x, count = ins[0], _int(node, "num")
+    if x is None:
+        return (None,) * count
+    a = _axis(np.array(_int(node, "axis")), len(x))
+    if x[a] >= 0 and x[a] != count:
+        raise ValueError("unstack count differs from the dimension")
+    return (x[:a] + x[a + 1:],) * count
+
+
+def _slice(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shape, ...]:
+    """Constant sizes (-1: to the end, which needs a constant begin and a known dimension)."""
+    x, begin, size = ins[0], _const(producer, 1), _const(producer, 2)
+    rank = len(x) if x is not None else ins[1][0] if ins[1] is not None and len(ins[1]) == 1 else -1
+    if size is None:
+        return (None if rank < 0 else (-1,) * rank,)
+    sizes = [int(d) for d in np.asarray(size).reshape(-1)]
+    starts = None if begin is None else [int(d) for d in np.asarray(begin).reshape(-1)]
+    if x is not None and len(sizes) != len(x) or starts is not None and len(starts) != len(sizes):
+        raise ValueError("slice rank differs")
+    out = []
+    for i, d in enumerate(sizes):
+        if d >= 0:
+            out.append(d)
+        elif d == -1 and x is not None and x[i] >= 0 and starts is not None:
+            out.append(x[i] - starts[i])
+        elif d == -1:
+            out.append(-1)
+        else:
+            raise ValueError("bad slice size")
+    return (tuple(out),)
+
+
+def _strided_slice(node: NodeDef, ins: list[Shape], producer: Producer) -> tuple[Shape, ...]:
+    """TensorFlow's ValidateStridedSliceOp on constant strides (begin and end may be unknown):
+    the ellipsis expanded, new and shrunk axes placed, each dimension's interval clamped."""
+    x, strides = ins[0], _const(producer, 3)
+    if x is None or strides is None or np.ndim(strides) != 1:
+        return (None,)
+    steps = [int(d) for d in strides]
+    begin, end = (_const(producer, i) for i in (1, 2))
+    begin_at = None if begin is None else [int(d) for d in np.asarray(begin).reshape(-1)]
+    end_at = None if end is None else [int(d) for d in np.asarray(end).reshape(-1)]
+    masks = {key: _int(node, key)
+             for key in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
+    dense = _dense_spec(len(x), steps, begin_at, end_at, masks)
+    sizes = [_interval(x[i], *spec, begin_at is not None and end_at is not None) for i, spec in enumerate(dense[0])]
+    return (tuple(1 if g == "new" else sizes[g] for g in dense[1] if g != "shrink"),)
+
+
+def _dense_spec(rank: int, steps: list[int], begin: list[int] | None, end: list[int] | None,
+                masks: dict[str, int]) -> tuple[list[tuple[int, int, int, bool, bool, bool]], list[int | str]]:
+    """(begin, end, stride, begin masked, end masked, shrunk) for each input dimension, and where
+    each output dimension comes from (an input dimension, "new" or "shrink"): BuildDenseSpec."""
+    ellipsis, new_axis = masks["ellipsis_mask"], masks["new_axis_mask"]
+    if ellipsis & (ellipsis - 1):
+        raise ValueError("several ellipses")
+    count = len(steps)
+    after = sum(1 for i in range(count) if new_axis & (1 << i) and ellipsis & ((1 << i) - 1))
+    if not ellipsis:
+        ellipsis, count = 1 << count, count + 1
+    dims: list[tuple[int, int, int, bool, bool, bool]] = []
+    gather: list[int | str] = []
+    for i in range(count):
+        if ellipsis & (1 << i):
+            while len(dims) < min(rank - (count - i) + 1 + after, rank):
+                gather.append(len(dims))
+                dims.append((0, 0, 1, True, True, False))
+        elif new_axis & (1 << i):
+            gather.append("new")
+        else:
+            if len(dims) == rank:
+                raise ValueError("more indices than dimensions")
+            shrink = bool(masks["shrink_axis_mask"] & (1 << i))
+            gather.append("shrink" if shrink else len(dims))
+            dims.append((begin[i] if begin else 0, end[i] if end else 0, steps[i],
+                         bool(masks["begin_mask"] & (1 << i)), bool(masks["end_mask"] & (1 << i)), shrink))
+    return dims, gather
+
+
+def _interval(dim: int, begin: int, end: int, stride: int, begin_masked: bool, end_masked: bool,
+              shrink: bool, valid: bool) -> int:
+    """The size of one dimension of a strided slice (Step 3 of ValidateStridedSliceOp)."""
+    if stride == 0 or shrink and stride <= 0:
+        raise ValueError("bad stride")
+    if dim < 0:
+        return 1 if shrink else -1
+    if valid and shrink:
+        start = begin + dim if begin < 0 else begin
+        if not 0 <= start < dim:
+            raise ValueError("slice index out of bounds")
+        length = 1
+    elif valid:
+        low, high = (0, dim) if stride > 0 else (-1, dim - 1)
+
+        def canonical(index: int, masked: bool, c: int) -> int:
+            if masked:
+                return (low, high)[c] if stride > 0 else (low, high)[1 - c]
+            forward = index + dim if index < 0 else index
+            return min(max(forward, low), high)
+
+        length = canonical(end, end_masked, 1) - canonical(begin, begin_masked, 0)
+    elif shrink:
+        length = 1
+    elif begin_masked and end_masked:
+        length = dim if stride > 0 else -dim
+    else:
+        return -1
+    if length == 0 or (length < 0) != (stride < 0):
+        return 0
+    return -(-abs(length) // abs(stride))  # same signs here: C++'s l / s + (l % s != 0)
+
+
 _UNARY = (
     "Identity", "Snapshot", "StopGradient", "PreventGradient", "CheckNumerics", "Cast", "ZerosLike", "OnesLike",
     "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Softplus", "Softsign", "Sigmoid", "Tanh", "Neg", "Abs", "Square",
@@ -427,4 +593,9 @@ _RULES: dict[str, Callable[[NodeDef, list[Shape], Producer], tuple[Shape, ...]]]
     "Squeeze": _squeeze,
     "Switch": _switch,
     "Merge": _merge_op,
+    "Split": _split,
+    "SplitV": _split_v,
+    "Unpack": _unpack,
+    "Slice": _slice,
+    "StridedSlice": _strided_slice,
 }

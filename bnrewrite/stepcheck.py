@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from bnrewrite.errors import PassError, UnsyncedLayerError
+from bnrewrite.graph import Device
 from bnrewrite.names import parse_input
 from bnrewrite.report import LayerRow, Report
 
@@ -109,9 +110,13 @@ class Verdict:
     worst: float
     worst_at: str
     not_checked: list[str] = field(default_factory=list)  # layers whose tensors cannot be fetched
+    #: Where each tower's check ran (StepCheck.ran_on), in the parts its id names; [] when not told.
+    ran_on: list[str] = field(default_factory=list)
 
     def line(self, where: str = "") -> str:
         head = f"verified {len(self.layers)} layers x {len(self.towers)} towers on {_devices(self.towers)}"
+        if self.ran_on and self.ran_on != [str(Device.parse(t)) for t in self.towers]:  # soft placement moved them
+            head += f" (ran on {_devices(list(dict.fromkeys(self.ran_on)))})"
         line = f"{head}{' (' + where + ')' if where else ''}: worst {self.worst:.1e} ({self.worst_at}), {self.moving()}"
         if self.not_checked:
             line += f"; {len(self.not_checked)} layer(s) not checked (inside function bodies: {', '.join(self.not_checked)})"
@@ -132,6 +137,7 @@ class Verdict:
             "layers": [{"layer": v.layer, "towers": v.towers, "figures": v.figures, "updates": v.updates,
                         "unchecked": v.unchecked, "not_updated": v.not_updated} for v in self.layers],
             "towers": self.towers, "worst": self.worst, "worst_at": self.worst_at, "not_checked": self.not_checked,
+            "ran_on": self.ran_on,
         }
 
 
@@ -186,6 +192,25 @@ class StepCheck:
         verdict = Verdict(verdicts, self.towers, worst, worst_at, self.not_checked)
         self.require_synced(verdict)
         return verdict
+
+    def ran_on(self, partition_graphs: Iterable[Any]) -> list[str]:
+        """The device each tower ran on in the step whose partition graphs (RunOptions'
+        output_partition_graphs) are given, told by its first layer's output (or input), in the
+        parts the tower's id names (its device, and its job and task if named); [] if a tower's
+        is not found (an op Grappler renamed)."""
+        placed = {node.name: node.device for graph in partition_graphs for node in graph.node}
+        tensors = {}
+        for layer in reversed(self.layers):
+            tensors.update((t.tower, parse_input(t.y or t.x)[0]) for t in layer.row.tensors if t.y or t.x)
+        ran = []
+        for tower in self.towers:
+            device = placed.get(tensors.get(tower, ""), "")
+            if not device:
+                return []
+            full, named = Device.parse(device), Device.parse(tower)
+            ran.append(str(Device(full.job if named.job else "", full.replica if named.replica >= 0 else -1,
+                                  full.task if named.task >= 0 else -1, full.type, full.index)))
+        return ran
 
     def require_synced(self, verdict: Verdict | None = None) -> None:
         """UnsyncedLayerError naming every layer the rewrite left unsynchronized, if any, with what

@@ -100,6 +100,7 @@ IS_TRAINING_NAME = "is_training"
 DATA_FORMATS = ("NHWC", "NCHW")
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("cpu", "gpu")
+SPLIT_INPUTS = ("", "split", "split_v", "slice", "strided_slice")
 
 FILTERS = 8
 NUM_CLASSES = 4
@@ -146,6 +147,10 @@ class Spec:
     affine: bool = True
     #: Legacy layers only: batch renormalization (renorm=True; unfused).
     renorm: bool = False
+    #: "" gives each tower its own placeholders; "split", "split_v", "slice", "strided_slice"
+    #: feed one pair of K*B (images, labels) placeholders, each tower taking its B examples
+    #: with that op (tf.split, tf.split by sizes, tf.slice, x[k*B:(k+1)*B]).
+    split_input: str = ""
 
     def __post_init__(self):
         if self.layer not in LAYERS:
@@ -160,6 +165,8 @@ class Spec:
             raise ValueError(f"towers, batch, image, channels must be >= 1: {self}")
         if (not self.affine or self.renorm) and not self.layer.startswith("legacy"):
             raise ValueError(f"affine=False and renorm=True need a legacy layer, got {self.layer!r}")
+        if self.split_input not in SPLIT_INPUTS:
+            raise ValueError(f"split_input must be one of {SPLIT_INPUTS}, got {self.split_input!r}")
         if self.tower_prefix.startswith("/") or self.tower_prefix.endswith("/"):
             raise ValueError(f"tower_prefix must be a name scope prefix, got {self.tower_prefix!r}")
 
@@ -382,12 +389,16 @@ def _build_graph(spec: Spec, towers: int, batch: int, device: str) -> Built:
         opt = tf.compat.v1.train.MomentumOptimizer(LEARNING_RATE, OPTIMIZER_MOMENTUM)
         inputs, tower_losses, tower_grads, tower_updates = [], [], [], []
         placeholder_batch = None if spec.uneven else batch
+        split = _split_inputs(spec, towers, batch) if spec.split_input and towers > 1 else None
         for k in range(towers):
             updates_before = len(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS))
             with tf.device(f"/{device}:{k}"), _tower_scope(spec.tower_prefix, k):
-                images = tf.compat.v1.placeholder(
-                    tf.float32, image_shape(spec, placeholder_batch), name="images")
-                labels = tf.compat.v1.placeholder(tf.int32, [placeholder_batch], name="labels")
+                if split is None:
+                    images = tf.compat.v1.placeholder(
+                        tf.float32, image_shape(spec, placeholder_batch), name="images")
+                    labels = tf.compat.v1.placeholder(tf.int32, [placeholder_batch], name="labels")
+                else:
+                    images, labels = split[1][k], split[3][k]
                 logits = _logits(images, spec, init_values)
                 xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
                 # Without a tower scope, "loss" would take the name of the graph's total loss.
@@ -397,7 +408,8 @@ def _build_graph(spec: Spec, towers: int, batch: int, device: str) -> Built:
                 else:
                     loss_k = tf.reduce_mean(xent, name=loss_name)
                 grads = opt.compute_gradients(loss_k)
-            inputs.append((images.name, labels.name))
+            if split is None or not k:
+                inputs.append((images.name, labels.name) if split is None else (split[0].name, split[2].name))
             tower_losses.append(loss_k)
             tower_grads.append(grads)
             tower_updates.append(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)[updates_before:])
@@ -428,6 +440,25 @@ def _build_graph(spec: Spec, towers: int, batch: int, device: str) -> Built:
     return Built(graph=graph, train_op=train_op.name, loss=loss.name, inputs=inputs,
                  init=init.name, variables=variables,
                  global_batch=global_batch.name if global_batch is not None else None)
+
+
+def _split_inputs(spec: Spec, towers: int, batch: int) -> tuple:
+    """(images, per-tower images, labels, per-tower labels): one pair of placeholders of the
+    whole batch, cut into the towers' B examples by spec.split_input."""
+    images = tf.compat.v1.placeholder(tf.float32, image_shape(spec, towers * batch), name="images")
+    labels = tf.compat.v1.placeholder(tf.int32, [towers * batch], name="labels")
+
+    def cut(x):
+        if spec.split_input == "split":
+            return tf.split(x, towers)
+        if spec.split_input == "split_v":
+            return tf.split(x, [batch] * (towers - 1) + [-1])
+        if spec.split_input == "slice":
+            return [tf.slice(x, [k * batch] + [0] * (x.shape.rank - 1), [batch] + [-1] * (x.shape.rank - 1))
+                    for k in range(towers)]
+        return [x[k * batch:(k + 1) * batch] for k in range(towers)]
+
+    return images, cut(images), labels, cut(labels)
 
 
 def _tower_scope(prefix: str, k: int):

@@ -115,6 +115,24 @@ def test_usage_errors_are_one_line():
         assert_one_error_line(proc, 2)
 
 
+def test_convert_to_nccl_for_gpus_this_machine_lacks_says_so(tmp_path, capsys):
+    """Towers on /gpu:0..1 converted where fewer GPUs are: one note that the NCCL output runs only
+    where those GPUs are, and how to get one that runs here (--backend local: no note)."""
+    import tensorflow as tf
+    from models import Spec, build_towers
+
+    tf.io.write_graph(build_towers(Spec(device="gpu")).graph.as_graph_def(), str(tmp_path), "gpu.pb", as_text=False)
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    assert main(["convert", str(tmp_path / "gpu.pb"), str(tmp_path / "nccl.pb")]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "NCCL" in line]
+    assert notes == ([] if gpus >= 2 else [
+        f"note: the output all-reduces by NCCL on /device:GPU:0..1, which this machine does not have ({gpus} GPU(s)): "
+        "it runs only where those GPUs are; --backend local writes one that runs here too (soft placement puts the "
+        "towers on the CPU, where collective would need a device per tower)"])
+    assert main(["convert", "--backend", "local", str(tmp_path / "gpu.pb"), str(tmp_path / "local.pb")]) == 0
+    assert "NCCL" not in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------
 # Every format: inspect and convert
 # ---------------------------------------------------------------------------

@@ -47,6 +47,18 @@ def test_enable_trains_like_one_device_and_disable_stops(capsys):
         rewrite_graph(built.graph, in_place=True)
 
 
+def test_verbose_lists_every_op_removed(capsys):
+    """enable(verbose=True) (`run -v`) prints the whole report: every op the rewrite removed,
+    none cut behind a pointer to the Python API."""
+    built = build_towers(SPEC)
+    removed = rewrite_graph(built.graph).report.removed
+    with bnrewrite.enabled(verbose=True):
+        train(built.graph, built, make_batches(SPEC, 1), num_devices=SPEC.towers)
+    err = capsys.readouterr().err
+    assert len(removed) > 5 and all(f"  {r['node']}: {r['why']}" in err for r in removed)
+    assert "lists them" not in err
+
+
 def test_in_place_sessions_run_the_synchronized_graph():
     built = build_towers(SPEC)
     result = rewrite_graph(built.graph, in_place=True)
@@ -199,6 +211,24 @@ def test_verify_checks_the_first_step_once(spec, capsys):
     assert len(lines) == 1 and f"verified 2 layers x {spec.towers} towers on {devices}: worst " in lines[0], lines
     assert "moving statistics updated once" in lines[0]
     assert_synced("verify", got, unrewritten_run(spec, 2), one_device_run(spec, 2), TOLERANCE[spec.dtype])  # once
+
+
+def test_verify_says_where_soft_placement_ran_the_towers(monkeypatch, capsys):
+    """Towers asked for /gpu:k on a machine without GPUs, placed by soft placement: the line names
+    the devices asked for and where the towers ran; they train like one device."""
+    import towers_model
+
+    spec = Spec(device="gpu")
+    soft = session_config(spec.towers)
+    soft.allow_soft_placement = True
+    monkeypatch.setattr(towers_model, "session_config", lambda devices: soft)
+    built = build_towers(spec)
+    with bnrewrite.enabled(verify=True):
+        got = train(built.graph, built, make_batches(spec, 2), num_devices=spec.towers)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "verified" in line]
+    assert len(lines) == 1 and "verified 2 layers x 2 towers on /device:GPU:0..1 (ran on /device:CPU:0): worst " in lines[0]
+    unsynced = train(built.graph, built, make_batches(spec, 2), num_devices=spec.towers)
+    assert_synced("soft placement", got, unsynced, one_device_run(Spec(), 2), 2e-5)
 
 
 def test_cond_v2_layers_are_named_not_checked(capsys):

@@ -28,9 +28,10 @@ sys.path.insert(0, os.path.dirname(SCRIPT))
 from ps_cluster import launch  # noqa: E402
 
 
-def _reference(out: str, towers: int, scale: float) -> dict[str, np.ndarray]:
+def _reference(out: str, towers: int, scale: float, plain: bool = False) -> dict[str, np.ndarray]:
     subprocess.run([sys.executable, SCRIPT, "--job", "reference", "--out", out, "--towers", str(towers),
-                    "--scale", repr(scale)], check=True, capture_output=True, timeout=120)
+                    "--scale", repr(scale), *(["--plain"] if plain else [])], check=True, capture_output=True,
+                   timeout=120)
     return dict(np.load(os.path.join(out, f"reference_{scale!r}.npz")))
 
 
@@ -45,22 +46,26 @@ def _worker_results(out: str, runs: dict) -> list[dict[str, np.ndarray]]:
     return [dict(np.load(os.path.join(out, f"worker{task}.npz"))) for task in sorted(runs)]
 
 
-@pytest.mark.parametrize("layout, towers", [("ps", 2), ("replicated", 1)],
+@pytest.mark.parametrize("layout, towers, unscoped", [("ps", 2, False), ("replicated", 1, False), ("ps", 1, True)],
                          ids=["variables on the ps, SyncReplicasOptimizer, 2 towers a worker",
-                              "per-worker copies with ps shadows, 1 tower a worker"])
-def test_a_ps_cluster_trains_like_one_process_fed_both_workers(tmp_path, layout, towers):
+                              "per-worker copies with ps shadows, 1 tower a worker",
+                              "variables on the ps, SyncReplicasOptimizer, 1 unscoped tower a worker"])
+def test_a_ps_cluster_trains_like_one_process_fed_both_workers(tmp_path, layout, towers, unscoped):
+    """`unscoped`: the plain one-device-per-worker script (layers at the top level, no tower
+    scope), whose worker graph is its one tower (once taken for towers bn1, bn2 and run unchanged)."""
     synced_dir, plain_dir, ref_dir = (tmp_path / name for name in ("synced", "plain", "reference"))
     for d in (synced_dir, plain_dir, ref_dir):
         d.mkdir()
-    synced = launch(str(synced_dir), layout, 2, True, towers)
-    plain = launch(str(plain_dir), layout, 2, False, towers)
-    reference = _reference(str(ref_dir), towers, 1.0)
-    floor = _errors(_reference(str(ref_dir), towers, 1.0 + 1e-7), reference)
+    synced = launch(str(synced_dir), layout, 2, True, towers, plain=unscoped)
+    plain = launch(str(plain_dir), layout, 2, False, towers, plain=unscoped)
+    reference = _reference(str(ref_dir), towers, 1.0, unscoped)
+    floor = _errors(_reference(str(ref_dir), towers, 1.0 + 1e-7, unscoped), reference)
     for task, run in synced.items():
         assert f"backend ps; worker {task} of 2" in run.stdout, run.stdout[-3000:]
     worker0, worker1 = _worker_results(str(synced_dir), synced)
     errors = _errors(worker0, reference)
-    assert {"net/bn1/moving_mean", "net/bn2/moving_variance", "net/conv1/kernel"} <= set(errors)
+    prefix = "" if unscoped else "net/"
+    assert {f"{prefix}bn1/moving_mean", f"{prefix}bn2/moving_variance", f"{prefix}conv1/kernel"} <= set(errors)
     assert all(errors[n] <= 5 * max(floor[n], 1e-6) for n in errors), (errors, floor)
     assert _errors(worker1, worker0) == dict.fromkeys(errors, 0.0)  # every worker sees the same values
     np.testing.assert_allclose((worker0["losses"] + worker1["losses"]) / 2, reference["losses"], rtol=1e-5)
@@ -186,3 +191,46 @@ def test_backend_ps_refuses_batch_norm_inside_control_flow_v2_branches():
     assert any(n.op in ("If", "StatelessIf") for n in graph_def.node)
     with pytest.raises(BackendError, match=r"backend ps cannot reach .*inside a function.*disable_control_flow_v2"):
         rewrite_graph(graph_def, num_workers=2, task_index=1)
+
+
+def _one_unscoped_tower(on_ps: bool):
+    """The plain one-device-per-worker graph: conv - bn1 - conv - bn2 at the top level (no tower or
+    model scope), on worker 0 (variables on the ps when `on_ps`, else on the worker: a collective
+    cluster's), SyncReplicasOptimizer over 2 workers on the ps."""
+    import tensorflow as tf
+    from tf_keras.src.legacy_tf_layers import normalization
+
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    cluster = tf.train.ClusterSpec({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]})
+    worker = "/job:worker/task:0"
+    with graph.as_default(), tf1.device(tf1.train.replica_device_setter(worker_device=worker, cluster=cluster)
+                                        if on_ps else worker):
+        x = tf1.placeholder(tf.float32, [2, 4, 4, 3])
+        h = tf.nn.relu(normalization.batch_normalization(tf1.layers.conv2d(x, 4, 3, name="conv1"), training=True, name="bn1"))
+        h = normalization.batch_normalization(tf1.layers.conv2d(h, 4, 3, padding="same", name="conv2"), training=True,
+                                              name="bn2")
+        optimizer = tf1.train.GradientDescentOptimizer(0.1)
+        if on_ps:
+            optimizer = tf1.train.SyncReplicasOptimizer(optimizer, 2, 2)
+        with tf1.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+            optimizer.minimize(tf.reduce_mean(tf.square(h)), global_step=tf1.train.get_or_create_global_step())
+    return graph
+
+
+@pytest.mark.parametrize("on_ps, backend", [(True, "ps"), (False, "collective")])
+def test_one_unscoped_tower_a_worker_is_the_tower(on_ps, backend):
+    """With several workers, a worker graph whose top scopes are one model's layers (bn1 feeds
+    bn2) is one tower, synchronized across the workers; alone (one worker) it is one device's
+    program and runs unchanged."""
+    from bnrewrite import NoTowersError, rewrite_graph
+
+    graph_def = _one_unscoped_tower(on_ps).as_graph_def()
+    for task in (0, 1):
+        report = rewrite_graph(graph_def, num_workers=2, task_index=task).report
+        assert (report.backend, report.towers, report.tower_by) == (backend, ["/job:worker/task:0"], "device")
+        assert [row.layer for row in report.layers] == ["bn1", "bn2"]
+    with pytest.raises(NoTowersError, match="batch norm bn1/FusedBatchNormV3 feeds batch norm bn2/FusedBatchNormV3"):
+        rewrite_graph(graph_def)
+    with pytest.raises(NoTowersError, match=r"\(bn1, bn2 were taken for towers\)"):
+        rewrite_graph(graph_def, num_workers=2, task_index=0, tower_by="scope")

@@ -95,7 +95,8 @@ def test_run_reports_every_graph_and_runs_the_eval_graph_unchanged(runs):
     stderr = done["three"].stderr
     assert "bnrewrite: graph 1: 2 batch-norm layer(s) synchronized across 2 towers" in stderr
     for number in (1, 2, 3):  # --verify: each first step checked (and trained once: the checkpoints match)
-        assert f"bnrewrite: graph {number}: verified 2 layers x 2 towers on /device:GPU:0..1: worst " in stderr
+        assert f"bnrewrite: graph {number}: verified 2 layers x 2 towers on /device:GPU:0..1 (ran on /device:CPU:0): " \
+               "worst " in stderr
         assert graphs[number - 1]["verify"]["passed"] and graphs[number - 1]["verify"]["worst"] < 1e-5
     assert "bnrewrite: graph 4 runs unchanged: all 2 batch-norm ops are in inference mode" in stderr
     assert "eval loss" in done["three"].stdout  # the synced checkpoint restores into an un-rewritten graph
@@ -108,7 +109,8 @@ def test_verify_checks_the_training_step_not_a_summary_threads_fetch(runs):
     out, done, _ = runs
     stderr = done["threads"].stderr
     for number in (1, 2):
-        assert f"bnrewrite: graph {number}: verified 2 layers x {K} towers on /device:GPU:0..1: worst " in stderr, stderr
+        assert f"bnrewrite: graph {number}: verified 2 layers x {K} towers on /device:GPU:0..1 (ran on /device:CPU:0): worst " \
+            in stderr, stderr
     assert "moving statistics updated once" in stderr and "bnrewrite: error" not in stderr
     for name in ("supervisor", "slim"):
         expected = dict(np.load(os.path.join(out, "plain", f"{name}_1.npz")))
@@ -281,6 +283,10 @@ def test_report_is_written_where_and_however_the_script_ends(tmp_path):
     (["run", "missing.py"], "can't open file 'missing.py'"),
     (["run", "--no-such-option", "x.py"], "unrecognized arguments: --no-such-option"),
     (["run", "--backend", "gpu", "x.py"], "invalid choice: 'gpu'"),
+    (["run", "--report", "", "x.py"], "argument --report: '' is an empty path (an unset variable?)"),
+    (["convert", "a.pb", "b.pb", "--report", ""], "argument --report: '' is an empty path"),
+    (["convert", "a.pb", "b.pb", "--tensorboard", ""], "argument --tensorboard: '' is an empty path"),
+    (["verify", "a.pb", "--report", ""], "argument --report: '' is an empty path"),
 ])
 def test_command_line_mistakes_are_usage_errors(tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.chdir(tmp_path)

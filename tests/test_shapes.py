@@ -13,7 +13,8 @@ from bnrewrite.graph import Graph
 from bnrewrite.graph_edit import Editor
 from bnrewrite.passes.sites import DEVIATIONS_ATTR
 from bnrewrite.shapes import ShapeInference
-from models import Spec, assert_synced, build_reference, build_towers, kernel_gradients, kernel_moments, make_batches, train
+from models import (Spec, assert_synced, build_reference, build_towers, kernel_gradients, kernel_moments, make_batches,
+                    train, use_kernels)
 
 tf1 = tf.compat.v1
 
@@ -147,6 +148,32 @@ CASES = [
     ("squeeze axis", lambda: tf.squeeze(_ph((None, 1, 3, 1)), [1])),
     ("squeeze unknown", lambda: tf.squeeze(_ph((None, 1, 3)))),
     ("switch and merge", _switch_merge),
+    *[(f"split axis {a} part {i}", lambda a=a, i=i: tf.split(_ph((4, 6, 3)), 2, axis=a)[i]) for a in (0, -2) for i in (0, 1)],
+    ("split unknown batch", lambda: tf.split(_ph((None, 6)), 3, axis=0)[2]),
+    ("split non-constant axis", lambda: tf.split(_ph((4, 6)), 2, axis=_ph((), tf.int32, "axis"))[0]),
+    ("split unknown rank", lambda: tf.split(_ph(None), 2)[1]),
+    *[(f"split_v part {i}", lambda i=i: tf.split(_ph((7, 3)), [2, -1, 4], axis=0)[i]) for i in range(3)],
+    ("split_v unknown batch", lambda: tf.split(_ph((None, 3)), [2, -1], axis=0)[1]),
+    ("split_v non-constant sizes", lambda: tf.split(_ph((5, 3)), _ph((2,), tf.int32, "sizes"), num=2, axis=1)[0]),
+    *[(f"unstack axis {a}", lambda a=a: tf.unstack(_ph((2, 3, 4)), axis=a)[1]) for a in (0, 1, -1)],
+    ("unstack unknown dimension", lambda: tf.unstack(_ph((2, None, 4)), num=3, axis=1)[0]),
+    ("slice", lambda: tf.slice(_ph((4, 5, 6)), [1, 0, 2], [2, -1, 3])),
+    ("slice unknown batch", lambda: tf.slice(_ph((None, 5)), [1, 1], [-1, -1])),
+    ("slice non-constant begin", lambda: tf.slice(_ph((4, 5)), _ph((2,), tf.int32, "begin"), [2, -1])),
+    ("slice non-constant size", lambda: tf.slice(_ph((4, 5)), [0, 0], _ph((2,), tf.int32, "size"))),
+    *[(f"strided_slice {label}", lambda index=index: _ph((8, 5, 6, 3)).__getitem__(index())) for label, index in (
+        ("half", lambda: slice(0, 4)), ("second half", lambda: slice(4, 8)), ("negative", lambda: slice(-3, None)),
+        ("step", lambda: (slice(None), slice(None, None, 2))), ("reverse", lambda: slice(None, None, -3)),
+        ("reverse range", lambda: (slice(None), slice(4, 0, -2))), ("clamped", lambda: slice(2, 100)),
+        ("empty", lambda: slice(5, 2)), ("index", lambda: 3), ("negative index", lambda: (slice(None), -1)),
+        ("ellipsis", lambda: (Ellipsis, 1)), ("new axis", lambda: (slice(1, 3), None, Ellipsis, tf1.newaxis)),
+        ("new axis after ellipsis", lambda: (0, Ellipsis, None, slice(1, 2))))],
+    ("strided_slice unknown batch", lambda: _ph((None, 5))[1:3, 2:]),
+    ("strided_slice unknown batch index", lambda: _ph((None, 5))[0]),
+    ("strided_slice non-constant begin", lambda: tf.strided_slice(_ph((6, 5)), _ph((2,), tf.int32, "b"), [4, 3], [1, 1])),
+    ("strided_slice non-constant begin masked", lambda: tf.strided_slice(_ph((6, 5)), _ph((2,), tf.int32, "b"), [4, 3],
+                                                                         [1, -1], begin_mask=2, end_mask=2)),
+    ("strided_slice unknown rank", lambda: _ph(None)[1:3]),
 ]
 
 
@@ -262,3 +289,31 @@ def test_bare_graph_def_trains_like_one_device(kernels, monkeypatch):
                   train(result.graph_def, built, data, num_devices=spec.towers),
                   train(built.graph, built, data, num_devices=spec.towers),
                   train(ref.graph, ref, data, num_devices=1), 2e-4)
+
+
+@pytest.mark.parametrize("split", ["split", "split_v", "slice", "strided_slice"])
+def test_towers_cut_from_one_placeholder_take_the_kernels(split):
+    """One fully defined placeholder of K*B examples cut per tower (tf.split, by sizes,
+    tf.slice, x[k*B:(k+1)*B]): the cut's shape is inferred, so the bare GraphDef `run` sees
+    and a GraphDef with TensorFlow's own shapes recorded give the same graph, fused kernels
+    at kernel size (4 x 64 x 64 x 8 a tower) and no "static shapes are unknown" note."""
+    built = build_towers(Spec(towers=2, image=64, split_input=split))
+    bare, recorded = built.graph.as_graph_def(), built.graph.as_graph_def(add_shapes=True)
+    results = [rewrite_graph(graph_def) for graph_def in (bare, recorded)]
+    assert _nodes(results[0].graph_def) == _nodes(results[1].graph_def)
+    assert len(kernel_moments(results[0].graph_def)) == 4
+    assert not [note for result in results for note in result.report.notes if "static shapes" in note]
+
+
+@pytest.mark.parametrize("split", ["split", "strided_slice"])
+def test_towers_cut_from_one_placeholder_train_like_one_device(split, monkeypatch):
+    """The same towers, small, on the kernels (threshold lowered): one device fed K*B."""
+    use_kernels(monkeypatch)
+    spec = Spec(towers=2, split_input=split)
+    built = build_towers(spec)
+    result = rewrite_graph(built.graph.as_graph_def())
+    assert len(kernel_moments(result.graph_def)) == 4
+    data, ref = make_batches(spec, 3), build_reference(spec)
+    assert_synced(f"towers cut by {split}", train(result.graph_def, built, data, num_devices=spec.towers),
+                  train(built.graph, built, data, num_devices=spec.towers), train(ref.graph, ref, data, num_devices=1),
+                  2e-4)

@@ -76,7 +76,7 @@ def _two_models_graph(second: bool) -> tuple:
     with graph.as_default():
         for scope in ("a", "b")[:1 + second]:
             with tf1.variable_scope(scope):
-                inputs, loss, _, train = silent_cases.build(K, B, tf.float32, silent_cases._cifar10_tower)
+                inputs, loss, _, train, _ = silent_cases.build(K, B, tf.float32, silent_cases._cifar10_tower)
             models.append((inputs, loss, train))
     return graph, models
 
@@ -101,7 +101,7 @@ def _model_added_late(config) -> tuple[dict, list[float]]:
         sess.run(tf1.global_variables_initializer())
         losses = [_step(sess, first)]
         with tf1.variable_scope("b"):
-            inputs, loss, _, train = silent_cases.build(K, B, tf.float32, silent_cases._cifar10_tower)
+            inputs, loss, _, train, _ = silent_cases.build(K, B, tf.float32, silent_cases._cifar10_tower)
         sess.run(tf1.variables_initializer(tf1.global_variables("b")))
         losses += [_step(sess, first), _step(sess, (inputs, loss, train))]
         return _values(sess), losses
@@ -113,7 +113,10 @@ def test_a_model_added_after_the_session_was_synchronized_moves_the_session_with
     late, late_losses = _model_added_late(config)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bnrewrite:")]
     assert any("synchronized across 2 towers" in line and line.split(": ", 2)[2].startswith("6 ") for line in lines), lines
-    assert any("moves to the synchronized graph with the values of its" in line for line in lines), lines
+    assert any("the graph grew (a model or train op added; now 6 batch-norm layer(s) with 12 gradient op(s) "
+               "synchronized, 3 with 6 before) after its session ran: the session moves to the graph synchronized "
+               "again, with the values of its" in line for line in lines), lines
+    assert len({line.split(":")[1] for line in lines}) == 1, lines  # one graph, one number
     graph, (first, second) = _two_models_graph(second=True)  # both built before the session
     with graph.as_default(), tf1.Session(graph=graph, config=config) as sess:
         sess.run(tf1.global_variables_initializer())
@@ -123,6 +126,53 @@ def test_a_model_added_after_the_session_was_synchronized_moves_the_session_with
     bnrewrite.disable()
     unsynced, _ = _model_added_late(config)
     assert _error(unsynced, early) > 0.1  # model b's layers train otherwise unsynchronized
+
+
+def _second_optimizer(config, late: bool) -> tuple[dict, list[float]]:
+    """The towers trained a step by gradient descent, then a step by momentum, whose train op is
+    built after the first step when `late` (before the session otherwise); the variables and losses."""
+    graph = tf.Graph()
+    with graph.as_default():
+        inputs, loss, _, first, tower_losses = silent_cases.build(K, B, tf.float32, silent_cases._cifar10_tower)
+        momentum = tf1.train.MomentumOptimizer(0.1, 0.9)
+
+        def second() -> tf.Operation:
+            return silent_cases.apply(momentum, silent_cases.tower_gradients(momentum, tower_losses))
+
+        train = None if late else second()
+        with tf1.Session(graph=graph, config=config) as sess:
+            sess.run(tf1.global_variables_initializer())
+            losses = [_step(sess, (inputs, loss, first))]
+            if late:
+                train = second()
+                sess.run(tf1.variables_initializer(momentum.variables()))
+            losses.append(_step(sess, (inputs, loss, train)))
+            return _values(sess), losses
+
+
+def test_a_second_optimizer_added_after_the_session_ran_keeps_the_graph_s_number(tmp_path, capsys):
+    """The graph grown by a second train op after its synchronized session ran: one number in
+    every line and in the records, a move line that says the graph grew, and the session trains
+    bit for bit as one made after both train ops (the towers as built: 0.1 apart)."""
+    config = tf1.ConfigProto(device_count={"CPU": K})
+    from bnrewrite import live
+
+    before = len(live.records())
+    bnrewrite.enable()
+    late, late_losses = _second_optimizer(config, late=True)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bnrewrite:")]
+    (record,) = live.records()[before:]
+    assert {line.split(":")[1] for line in lines} == {f" graph {record['graph']}"}, lines
+    assert record["outcome"] == "synchronized" and len(record["report"]["layers"][0]["gradients"]) == 2 * K
+    assert lines[-1].endswith(
+        "the graph grew (a model or train op added; now 3 batch-norm layer(s) with 12 gradient op(s) synchronized, 3 "
+        "with 6 before) after its session ran: the session moves to the graph synchronized again, with the values of "
+        "its 17 initialized variable(s)"), lines
+    early, early_losses = _second_optimizer(config, late=False)
+    assert late_losses == early_losses and all(np.array_equal(late[k], early[k]) for k in early)
+    bnrewrite.disable()
+    unsynced, _ = _second_optimizer(config, late=True)
+    assert _error(unsynced, early) > 0.1
 
 
 def test_a_model_built_after_its_graph_s_session_ran_moves_the_session_with_its_variables(capsys):

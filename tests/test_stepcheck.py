@@ -130,7 +130,8 @@ def test_gpu_towers_run_on_the_cpus_of_their_indices(tmp_path):
     """A graph built for GPUs (NCCL when converted) is verified with the local sum on virtual CPUs."""
     proc = run_cli("verify", write_meta(tmp_path, build_towers(Spec(device="gpu")).graph))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("verified 2 layers x 2 towers on /device:GPU:0..1: worst "), proc.stdout
+    assert proc.stdout.startswith("verified 2 layers x 2 towers on /device:GPU:0..1 (ran on /device:CPU:0..1): worst "), \
+        proc.stdout
 
 
 def test_layers_inside_function_bodies_cannot_be_checked(tmp_path):

@@ -53,7 +53,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.verify:
         verified = io.verify(rewrite)
 
-    notes: list[str] = []
+    notes: list[str] = [_gpus_missing(rewrite)]
     args.outputs = io.Outputs(force=args.force)  # main() tells from it whether an interrupt came after the commit
     with args.outputs as outputs:
         if not args.dry_run:
@@ -88,6 +88,22 @@ def cmd_convert(args: argparse.Namespace) -> int:
         out.line(f"wrote {path} ({flag})")
     out.verbose(f"done in {time.perf_counter() - start:.1f}s")
     return 0
+
+
+def _gpus_missing(rewrite: Any) -> str:
+    """A note when the output all-reduces by NCCL on GPUs this machine does not have: it cannot
+    run here, and backend local writes one that can; else ""."""
+    from bnrewrite.graph import Device
+    from bnrewrite.live import visible_gpus
+
+    indices = sorted({Device.parse(node.device).index for outcome in rewrite.outcomes if outcome.result is not None
+                      for node in outcome.result.graph_def.node if node.op == "NcclAllReduce"})
+    have = visible_gpus()
+    if not indices or indices[-1] < have:
+        return ""
+    return (f"the output all-reduces by NCCL on /device:GPU:{indices[0]}..{indices[-1]}, which this machine does not "
+            f"have ({have} GPU(s)): it runs only where those GPUs are; --backend local writes one that runs here too "
+            "(soft placement puts the towers on the CPU, where collective would need a device per tower)")
 
 
 def _saved_model_extra(model: Any) -> str:

@@ -192,11 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="replace OUT, --report, --dot, --tensorboard if they exist and hold what bnrewrite writes there")
     out.add_argument("--dry-run", action="store_true", help="do everything but write OUT (--report, --dot, --tensorboard are still written)")
     out.add_argument("--verify", action="store_true", help="import the result into TensorFlow (never run it) and fail if it does not import")
-    out.add_argument("--report", metavar="FILE.json", help="write the report as JSON (schema: README.md, 'Report schema')")
-    out.add_argument("--dot", metavar="FILE", help="write a picture of one rewritten layer before/after: .dot/.gv (Graphviz text), "
+    out.add_argument("--report", type=_path, metavar="FILE.json", help="write the report as JSON (schema: README.md, 'Report schema')")
+    out.add_argument("--dot", type=_path, metavar="FILE", help="write a picture of one rewritten layer before/after: .dot/.gv (Graphviz text), "
                      ".svg/.png (rendered by Graphviz's dot, else by the graphviz-pure dependency)")
     out.add_argument("--dot-layer", metavar="LAYER", help="the layer --dot draws (default: the first one)")
-    out.add_argument("--tensorboard", metavar="LOGDIR", help="write the graphs before and after as TensorBoard runs LOGDIR/before and LOGDIR/after "
+    out.add_argument("--tensorboard", type=_path, metavar="LOGDIR", help="write the graphs before and after as TensorBoard runs LOGDIR/before and LOGDIR/after "
                      "(a new directory, or with --force one bnrewrite wrote)")
     _verbosity(convert)
     convert.set_defaults(func=cmd_convert)
@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--verify", action="store_true",
                      help="check the first step of each synchronized graph layer by layer (global moments, every tower's "
                           "output, moving statistics updated once); a failure stops the script with exit 12")
-    run.add_argument("--report", metavar="FILE.json", help="write every graph's outcome and report to FILE.json when the script ends (also on SIGTERM, SIGHUP)")
+    run.add_argument("--report", type=_path, metavar="FILE.json", help="write every graph's outcome and report to FILE.json when the script ends (also on SIGTERM, SIGHUP)")
     run.add_argument("--force", action="store_true", help="replace --report's file if it exists and is a regular file")
     _verbosity(run)
     run.set_defaults(func=cmd_run, script_argv=[])
@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--batch", type=_positive_int, metavar="B", help="size of an unknown batch dimension of the inputs")
     step.add_argument("--step", action="append", metavar="OP",
                       help="the op(s) one training step runs (default: what runs the moving-average updates and gradients)")
-    step.add_argument("--report", metavar="FILE.json", help="write the rewrite's report and every figure as JSON")
+    step.add_argument("--report", type=_path, metavar="FILE.json", help="write the rewrite's report and every figure as JSON")
     step.add_argument("--force", action="store_true", help="replace --report if it exists and is a file bnrewrite wrote")
     _verbosity(verify)
     verify.set_defaults(func=cmd_verify, backend="local", timeout=0.0, workers=1, task_index=None)
@@ -306,6 +306,13 @@ def _verbosity(parser: argparse.ArgumentParser) -> None:
     group.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     group.add_argument("-v", "--verbose", action="store_true",
                        help="more detail (passes, timings), TensorFlow's own logging, tracebacks of internal errors")
+
+
+def _path(text: str) -> str:
+    """An output path; an empty one (an unset shell variable) is a mistake, not "no output"."""
+    if not text:
+        raise argparse.ArgumentTypeError("'' is an empty path (an unset variable?)")
+    return text
 
 
 def _positive_int(text: str) -> int:

@@ -59,11 +59,16 @@ def run_step(entry: Entry, report: Report, checkpoint: str | None = None, batch:
         try:
             _initialize(sess, graph, needed, checkpoint)
             before = sess.run(check.before)
-            values = sess.run(ops + fetches, {**feed, **check.feed(before)})[len(ops):]
+            metadata = tf.compat.v1.RunMetadata()  # its partition graphs tell where the towers ran
+            values = sess.run(ops + fetches, {**feed, **check.feed(before)},
+                              options=tf.compat.v1.RunOptions(output_partition_graphs=True),
+                              run_metadata=metadata)[len(ops):]
             after = sess.run(check.after)
         except tf.errors.OpError as exc:
             raise BnRewriteError(f"the checked step failed in TensorFlow: {one_line(exc.message, 300)}") from None
-    return check.evaluate(before, values, after, ran)
+    verdict = check.evaluate(before, values, after, ran)
+    verdict.ran_on = check.ran_on(metadata.partition_graphs)
+    return verdict
 
 
 def _targets(graph: Any, report: Report, names: list[str] | None, scope: str) -> list[Any]:

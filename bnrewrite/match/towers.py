@@ -2,7 +2,8 @@
 
 A tower is what the graph shows: the device a site runs on when sites span several devices,
 else the top name scope (MirroredStrategy's replica 0 has none: beside `replica_k` scopes,
-the unscoped sites are `replica_0`). A layer is what its copies share: the variables they
+the unscoped sites are `replica_0`). A worker of several (num_workers > 1) whose top scopes are
+not replicas (layers of one computation: bn1 feeds bn2) has one tower, its whole graph. A layer is what its copies share: the variables they
 read (scale, offset) or write (moving averages) when the towers share those; when every
 tower has its own copies, `lineup.py` pairs them by the roles of their variables' names and,
 failing that, by structure. A layer that every tower applies several times (a GAN's
@@ -91,7 +92,9 @@ def group_towers(graph: Graph, sites: list[Site], by: str = "auto", min_towers: 
         )
     if len(ids) >= 2:
         reason = not_replicas(graph, sites, tower, ids, one_device=requested == "auto" and by == "scope")
-        if reason:
+        if reason and min_towers == 1 and requested == "auto" and by == "scope":
+            by, ids, tower = _one_tower(sites)
+        elif reason:
             raise NotReplicasError(reason)
     variables = {s.name: _variables(s) for s in sites}
     users: dict[str, set[str]] = defaultdict(set)  # variable -> the towers whose sites use it
@@ -129,6 +132,15 @@ def group_towers(graph: Graph, sites: list[Site], by: str = "auto", min_towers: 
             f"{skips[0].node}: {skips[0].reason}"
         )
     return Towers(tuple(ids), by, tuple(groups), tuple(skips), _layout(groups, variables), tuple(applied))
+
+
+def _one_tower(sites: list[Site]) -> tuple[str, list[str], dict[str, str]]:
+    """(by, ids, each site's tower) for a worker of several whose name scopes are layers of one
+    computation, not towers (bn1 feeds bn2): the worker's graph is its one tower, named by the
+    sites' device ("" when they do not share one)."""
+    devices = {str(s.device) for s in sites}
+    only = devices.pop() if len(devices) == 1 else ""
+    return "device", [only], dict.fromkeys((s.name for s in sites), only)
 
 
 def _layout(groups: list[LayerGroup], variables: dict[str, list[str]]) -> str:

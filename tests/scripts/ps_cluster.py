@@ -13,18 +13,23 @@ plain SGD and writes what it holds to OUT/worker<I>.npz. Two layouts:
   worker's gradient to every shadow, meets the other workers at a barrier of FIFO queues on the
   ps (as the benchmarks' `add_sync_queues_and_barrier` does) and copies the shadows back.
 
+`--plain` builds the plain one-device-per-worker script: one tower, no tower scope, its layers at
+the graph's top level (conv1, bn1, ...: no `net` scope either), which bnrewrite must take as the
+worker's one tower, not as towers of their own.
+
 `--job reference` trains the same model in one process on one device, fed every worker's
 examples; `--scale` multiplies its images (the noise floor of a comparison).
 
 `launch` starts such a cluster on localhost (tests/test_ps_cluster.py, tools/ps_reliability.py).
 
 Usage: ps_cluster.py --job ps|worker|reference --task I --hosts JSON --layout ps|replicated
-       [--towers K] [--workers N] [--batch B] [--steps S] [--out DIR] [--scale F]
+       [--towers K | --plain] [--workers N] [--batch B] [--steps S] [--out DIR] [--scale F]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -41,6 +46,7 @@ import tensorflow as tf  # noqa: E402
 
 tf1 = tf.compat.v1
 CLASSES, IMAGE, LR = 3, 6, 0.1
+LAYERS = ("conv1", "bn1", "conv2", "bn2", "dense")
 
 
 def _initial(name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -57,10 +63,12 @@ def _getter(getter, name, shape=None, initializer=None, **kwargs):
     return getter(name, shape=shape, initializer=initializer, **kwargs)
 
 
-def tower_loss(images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
-    """conv - batch norm - relu, twice, global mean, dense: the mean cross-entropy of the tower."""
+def tower_loss(images: tf.Tensor, labels: tf.Tensor, plain: bool = False) -> tf.Tensor:
+    """conv - batch norm - relu, twice, global mean, dense: the mean cross-entropy of the tower
+    (under variable scope `net`, or at the top level when `plain`)."""
     layers = tf1.layers
-    with tf1.variable_scope("net", reuse=tf1.AUTO_REUSE, custom_getter=_getter):
+    scope = tf1.get_variable_scope() if plain else "net"
+    with tf1.variable_scope(scope, reuse=tf1.AUTO_REUSE, custom_getter=_getter):
         h = layers.conv2d(images, 4, 3, padding="same", use_bias=False, name="conv1")
         h = tf.nn.relu(layers.batch_normalization(h, training=True, momentum=0.9, name="bn1"))
         h = layers.conv2d(h, 4, 3, padding="same", use_bias=False, name="conv2")
@@ -76,15 +84,20 @@ def batch(step: int, total: int, scale: float = 1.0) -> tuple[np.ndarray, np.nda
     return (images * np.float32(scale)).astype(np.float32), rng.randint(0, CLASSES, total).astype(np.int32)
 
 
+def model_variables(variables: list[tf.Variable]) -> list[tf.Variable]:
+    """The model's (those of LAYERS, in scope `net` or at the top level)."""
+    return [v for v in variables if v.op.name.removeprefix("net/").split("/")[0] in LAYERS]
+
+
 def _towers(args, task: int, device_of) -> tuple[list[tuple[tf.Tensor, tf.Tensor]], tf.Tensor, list]:
     """Per tower (images, labels) placeholders, the worker's mean loss and mean gradients."""
     feeds, losses, grads = [], [], []
     for k in range(args.towers):
-        with tf1.device(device_of(k)), tf1.name_scope(f"tower_{k}"):
+        with tf1.device(device_of(k)), contextlib.nullcontext() if args.plain else tf1.name_scope(f"tower_{k}"):
             images = tf1.placeholder(tf.float32, [args.batch, IMAGE, IMAGE, 3], name="images")
             labels = tf1.placeholder(tf.int32, [args.batch], name="labels")
-            loss = tower_loss(images, labels)
-            variables = [v for v in tf1.trainable_variables() if v.name.startswith("net/")]
+            loss = tower_loss(images, labels, args.plain)
+            variables = model_variables(tf1.trainable_variables())
             grads.append(tf.gradients(loss, variables))
             feeds.append((images, labels))
             losses.append(loss)
@@ -111,7 +124,7 @@ def _config(args, task: int, worker: bool) -> tf1.ConfigProto:
 
 
 def _results(session, args, losses: list[float]) -> dict[str, np.ndarray]:
-    names = [v for v in tf1.global_variables() if v.name.startswith("net/")]
+    names = model_variables(tf1.global_variables())
     values = session.run(names)
     out = {v.name.split(":")[0]: value for v, value in zip(names, values)}
     out["losses"] = np.asarray(losses, np.float32)
@@ -183,7 +196,7 @@ def run_reference(args) -> dict[str, np.ndarray]:
     total = args.batch * args.towers * args.workers
     images = tf1.placeholder(tf.float32, [total, IMAGE, IMAGE, 3])
     labels = tf1.placeholder(tf.int32, [total])
-    loss = tower_loss(images, labels)
+    loss = tower_loss(images, labels, args.plain)
     with tf1.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
         train_op = tf1.train.GradientDescentOptimizer(LR).minimize(loss)
     losses = []
@@ -207,13 +220,15 @@ def _free_ports(n: int) -> list[int]:
 
 
 def launch(out: str, layout: str, steps: int, synced: bool, towers: int = 1, tasks=(0, 1),
-             timeout: str = "60", deadline: float = 240.0) -> dict[int, subprocess.CompletedProcess]:
+             timeout: str = "60", deadline: float = 240.0, plain: bool = False) -> dict[int, subprocess.CompletedProcess]:
     """Start a ps running this script and its workers `tasks` of 2 (under `bnrewrite run
-    --workers 2 --timeout T` when `synced`), wait for the workers (at most `deadline` s), stop every
-    process this started by its own id; the workers' exit codes and output."""
+    --workers 2 --timeout T` when `synced`; `plain`: the one-tower script without scopes), wait
+    for the workers (at most `deadline` s), stop every process this started by its own id; the
+    workers' exit codes and output."""
     ps_port, *worker_ports = _free_ports(3)
     hosts = json.dumps({"ps": [f"127.0.0.1:{ps_port}"], "worker": [f"127.0.0.1:{p}" for p in worker_ports]})
-    common = ["--hosts", hosts, "--layout", layout, "--steps", str(steps), "--out", out, "--towers", str(towers)]
+    common = ["--hosts", hosts, "--layout", layout, "--steps", str(steps), "--out", out, "--towers", str(towers),
+              *(["--plain"] if plain else [])]
     script = os.path.abspath(__file__)
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(script))))
     started = [subprocess.Popen([sys.executable, script, "--job", "ps", *common], env=env,
@@ -250,12 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hosts", default="{}")
     parser.add_argument("--layout", choices=["ps", "replicated"], default="ps")
     parser.add_argument("--towers", type=int, default=1)
+    parser.add_argument("--plain", action="store_true", help="one tower, no tower or model scope")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--out", default=".")
     args = parser.parse_args(argv)
+    if args.plain and args.towers != 1:
+        parser.error("--plain builds one tower")
     tf1.disable_eager_execution()
     if args.job == "reference":
         np.savez(os.path.join(args.out, f"reference_{args.scale}.npz"), **run_reference(args))

@@ -79,9 +79,10 @@ def _float64_tower(images: tf.Tensor) -> tf.Tensor:
     return tf.matmul(x, _variable("logits", [5, CLASSES], tf.float64))
 
 
-def build(towers: int, batch: int, dtype: tf.DType, tower_fn) -> tuple[list, tf.Tensor, list, tf.Operation]:
+def build(towers: int, batch: int, dtype: tf.DType, tower_fn) -> tuple[list, tf.Tensor, list, tf.Operation, list]:
     """Towers tower_i on /cpu:i sharing variables on /cpu:0, gradients averaged, every tower's
-    UPDATE_OPS in the train op: (per-tower (images, labels), mean loss, summaries, train op)."""
+    UPDATE_OPS in the train op: (per-tower (images, labels), mean loss, summaries, train op,
+    per-tower losses)."""
     inputs, losses, grads = [], [], []
     optimizer = tf1.train.GradientDescentOptimizer(0.5)
     for i in range(towers):
@@ -93,10 +94,24 @@ def build(towers: int, batch: int, dtype: tf.DType, tower_fn) -> tuple[list, tf.
             inputs.append((images, labels))
             losses.append(loss)
             grads.append(optimizer.compute_gradients(loss))
-    averaged = [(tf.add_n([g for g, _ in pairs]) / towers, pairs[0][1]) for pairs in zip(*grads) if pairs[0][0] is not None]
+    return inputs, tf.add_n(losses) / towers, tf1.get_collection(tf1.GraphKeys.SUMMARIES), apply(optimizer, grads), losses
+
+
+def tower_gradients(optimizer: tf1.train.Optimizer, losses: list[tf.Tensor]) -> list:
+    """compute_gradients of each tower's loss on its device: a further optimizer of built towers."""
+    grads = []
+    for i, loss in enumerate(losses):
+        with tf.device(f"/cpu:{i}"):
+            grads.append(optimizer.compute_gradients(loss))
+    return grads
+
+
+def apply(optimizer: tf1.train.Optimizer, grads: list) -> tf.Operation:
+    """The towers' gradients averaged and applied, with this model's UPDATE_OPS (every tower's)."""
+    averaged = [(tf.add_n([g for g, _ in pairs]) / len(grads), pairs[0][1]) for pairs in zip(*grads)
+                if pairs[0][0] is not None]
     scope = tf1.get_default_graph().get_name_scope()  # this model's updates only, when a graph holds two
-    train = tf.group(optimizer.apply_gradients(averaged), *tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, scope))
-    return inputs, tf.add_n(losses) / towers, tf1.get_collection(tf1.GraphKeys.SUMMARIES), train
+    return tf.group(optimizer.apply_gradients(averaged), *tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, scope))
 
 
 def _batches(total: int, dtype: tf.DType) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -112,7 +127,7 @@ def train(case: str, towers: int, batch: int) -> dict[str, np.ndarray]:
     config = tf1.ConfigProto(device_count={"CPU": towers})
     with tf.Graph().as_default() as graph:
         sess = tf1.InteractiveSession(config=config) if case == "interactive" else None  # before the model
-        inputs, loss, summaries, train_op = build(towers, batch, dtype, tower_fn)
+        inputs, loss, summaries, train_op, _ = build(towers, batch, dtype, tower_fn)
         init = tf1.global_variables_initializer()
         sess = sess or tf1.Session(graph=graph, config=config)
         sess.run(init)
