@@ -195,7 +195,8 @@ def test_applications_built_in_another_order_are_told_by_their_data():
 def test_applications_that_nothing_tells_apart_are_refused_named():
     """Inputs alike from placeholders named after the tower, scopes likewise: no guess."""
     graph = _gan_towers(scopes=("r{}", "f{}"), generator=False, inputs=("x{}", "z{}"))
-    with pytest.raises(TowerMismatchError, match="neither their names nor their structure tell which goes with which"):
+    with pytest.raises(TowerMismatchError, match="neither their names, their structure nor their scopes' numbering "
+                                                 "tell which goes with which"):
         rewrite_graph(graph)
 
 
@@ -213,4 +214,24 @@ def test_towers_applying_networks_twice_train_like_one_device(tmp_path):
     verified = [line for line in lines if ": verified " in line]
     assert [line.split(": verified ")[1].split(" x ")[0] for line in verified] == ["6 layers"] * 2 + ["4 layers"] * 3, lines
     assert all("4 moving statistic(s) not updated" in line for line in verified[:2]), lines
+    assert not any("error" in line for line in lines), lines
+
+
+def test_towers_keeping_one_applications_statistics_train_like_one_device_and_pass_the_check(tmp_path):
+    """A GAN whose discriminator step keeps the statistics of its application to real images only,
+    a Siamese net keeping its second application's: `--verify` passes them (it stopped them
+    before, "changed in a step that runs none of its kept updates"), each statistic checked as
+    exactly one run of the update the step keeps; with one update per step the statistics are
+    not left to an order, so every quantity is judged."""
+    cases = ("gan_real", "siamese_second")
+    err = run_both(SCRIPT, tmp_path, cases, ("--verify", "-v"))
+    for case in cases:
+        print(judge(case, str(tmp_path)))
+    lines = [line for line in err.splitlines() if line.startswith("bnrewrite:")]
+    verified = [line for line in lines if ": verified " in line]
+    assert [line.split(": verified ")[1].split(" x ")[0] for line in verified] == ["6 layers", "4 layers"], lines
+    others = [line for line in lines if "updated by another application only" in line]
+    assert [line.split(":   ")[1].split(":")[0] for line in others] == ["D_1/d1_bn", "D_1/d2_bn", "E/e1_bn", "E/e2_bn"], lines
+    assert all("(tower_0/D/" in line for line in others[:2]) and all("(tower_0/E_1/" in line for line in others[2:]), lines
+    assert "4 moving statistic(s) not updated" in verified[0] and "not updated" not in verified[1], lines
     assert not any("error" in line for line in lines), lines
