@@ -57,6 +57,7 @@ SLOW_TESTS = (
     "test_silent.py::test_run_synchronizes",
     "test_keras_towers.py::test_keras_tower_trainers_train_like_one_device",
     "test_keras_towers.py::test_keras_workflows_after_the_first_fit",
+    "test_keras_towers.py::test_keras_functions_made_before_fit",
     "test_applications.py::test_towers_applying_networks_twice_train_like_one_device",
     "test_applications.py::test_towers_keeping_one_applications_statistics",
     "test_ps_cluster.py::test_a_",

@@ -191,3 +191,41 @@ def test_verify_says_a_fit_step_through_a_callable_is_not_checked(capsys):
 
     synced = [r for r in live.records() if r["outcome"] == "synchronized"]
     assert synced and synced[-1]["verify"]["passed"] is None
+
+
+def _evaluate_around_fit(towers: int) -> tuple[float, float, np.ndarray]:
+    """keras_towers' multi_gpu model on `towers` devices (1: the model itself, fed the whole batch):
+    evaluate, fit, evaluate and predict again through the functions Keras made before fit."""
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import keras_towers
+    import tf_keras as keras
+
+    keras.backend.clear_session()
+    with tf.Graph().as_default():  # graph mode, as the script's tf1.disable_eager_execution() gives it
+        keras_towers._session(towers)
+        images, targets = keras_towers._data("multi_gpu", 24, 0.0)
+        model = keras_towers._model("multi_gpu")
+        trained = keras_towers._multi_gpu(model, towers) if towers > 1 else model
+        trained.compile(keras.optimizers.legacy.SGD(0.1), "mse")
+        keras_towers._initial(model)
+        before = trained.evaluate(images[:8], targets[:8], batch_size=8, verbose=0)
+        trained.predict(images[:8], batch_size=8, verbose=0)
+        trained.fit(images, targets, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        return before, trained.evaluate(images[:8], targets[:8], batch_size=8, verbose=0), \
+            trained.predict(images[:8], batch_size=8, verbose=0)
+
+
+def test_keras_functions_made_before_fit_follow_the_session_to_the_synchronized_graph(capsys):
+    """evaluate and predict before fit, then after it: their callables were made in the TensorFlow
+    session that fit's move replaced, and failed there ("No such callable handle: 1", after
+    running handle 0, fit's, with the wrong feeds); now they are made again in the new one."""
+    import bnrewrite
+
+    one, plain = _evaluate_around_fit(1), _evaluate_around_fit(2)
+    with bnrewrite.enabled():
+        synced = _evaluate_around_fit(2)
+    assert "moves to the synchronized graph" in capsys.readouterr().err
+    assert synced[0] == plain[0] == one[0]  # before fit: nothing trains yet, the graph runs as it is
+    np.testing.assert_allclose(synced[1], one[1], rtol=1e-5)
+    np.testing.assert_allclose(synced[2], one[2], rtol=1e-5, atol=1e-6)
+    assert abs(plain[1] - one[1]) > 0.1 * one[1]  # the towers as built end elsewhere
