@@ -134,8 +134,6 @@ def flatten(graph: Graph) -> tuple[Graph, Bodies | None]:
         group = [fwd, *grads]
         names = [(n, k) for n in group for k in ("then_branch", "else_branch")]
         reason = ""
-        if len(grads) > 1:
-            reason = f"{fwd.name} has {len(grads)} gradient conditionals"
         for n, k in names:
             fname = n.attr[k].func.name
             if fname not in library:
@@ -144,9 +142,10 @@ def flatten(graph: Graph) -> tuple[Graph, Bodies | None]:
                 reason = reason or f"function {fname} is called {calls.get(fname, 0)} times"
             elif any(op_def_registry.get(x.op) is None for x in library[fname].node_def):
                 reason = reason or f"function {fname} calls functions or unregistered ops"
-        if grads and any(parse_input(i)[0] in [g.name for g in ifs if g is not fwd and g is not grads[0]]
-                         for i in grads[0].input):
-            reason = reason or f"{grads[0].name} reads several conditionals"
+        others = {g.name for g in ifs} - {fwd.name}
+        several = next((g.name for g in grads if any(parse_input(i)[0] in others for i in g.input)), None)
+        if several is not None:
+            reason = reason or f"{several} reads several conditionals"
         if reason:
             skipped.append((fwd.name, reason))
             continue
@@ -154,8 +153,9 @@ def flatten(graph: Graph) -> tuple[Graph, Bodies | None]:
             fb = _body(library[fwd.attr[k].func.name], f"{fwd.name}{BODY_MARK}{tag}", fwd, None, None)
             bodies.append(fb)
             forward[fb.prefix] = fb
-            for g in grads:
-                gb = _body(library[g.attr[k].func.name], f"{fwd.name}{BODY_MARK}{tag}_grad", g, fwd, fb)
+            for j, g in enumerate(grads):  # one per gradient computation (a second optimizer, a recompiled model)
+                gb = _body(library[g.attr[k].func.name], f"{fwd.name}{BODY_MARK}{tag}_grad{f'_{j}' if j else ''}", g,
+                           fwd, fb)
                 bodies.append(gb)
     if not bodies:
         return graph, Bodies([], {}, skipped)

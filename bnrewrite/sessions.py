@@ -232,11 +232,47 @@ def _patch(module: Any) -> None:
             if first.trains_with(names) and _claim(shadow, first):
                 _not_verified(shadow, first, "its training step runs through a callable (make_callable, Keras' fit), "
                                              "to which the check cannot add its fetches")
-        return make_callable(self, callable_options)
+        if shadow is None and not getattr(self, "_bnrewrite_watch", False):
+            return make_callable(self, callable_options)  # a session that runs its graph as it is for good
+        return _Following(self, callable_options, make_callable)
 
     base.__init__, base._extend_graph, base._do_run = __init__, _extend_graph, _do_run
     base._make_callable_from_options = _make_callable_from_options
     base._bnrewrite_patched = True
+
+
+class _Following:
+    """A callable made by `Session._make_callable_from_options` (Keras' functions) that follows its
+    session to a new shadow: TensorFlow's holds a handle into the TensorFlow session it was made
+    in, which after a move is no longer the session's, so a call there would fail ("No such
+    callable handle") or run another callable. Each call first catches the session up (moving it
+    if its graph grew), and the callable is made again in the session's TensorFlow session when
+    that has changed."""
+
+    def __init__(self, session: Any, options: Any, make: Callable[[Any, Any], Any]) -> None:
+        self._session, self._options, self._make = session, options, make
+        self._made_in = session._session
+        self._callable = make(session, options)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        session = self._session
+        if session._session is not self._made_in or getattr(session, "_bnrewrite_shadow", None) is not None:
+            _current(session)
+        if session._session is not self._made_in:
+            self._forget()
+            self._callable = self._make(session, self._options)
+            self._made_in = session._session
+        return self._callable(*args, **kwargs)
+
+    def _forget(self) -> None:
+        """Drop a handle of a TensorFlow session the session has left (closed with it): released
+        in the new one, it would release another callable made there under the same number."""
+        if self._session._session is not self._made_in:
+            self._callable._handle = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_callable", None) is not None:
+            self._forget()
 
 
 def _current(session: Any) -> Shadow | None:

@@ -14,7 +14,9 @@ those of all towers' inputs together, every tower's output matches, and each mov
 equals one application of its kept update (of each, for a network applied several times per
 tower: one per application, in an order the program leaves open), which moves it by one factor
 for all channels toward the global statistic; one whose update the step does not run (the
-script's own wiring) must be unchanged, and is reported as not updated. Only a few numbers per
+script's own wiring) must be unchanged, and is reported as not updated, unless another
+application's update of it runs (a GAN keeping its discriminator's statistics from real images
+only), which is then checked alone. Only a few numbers per
 layer leave the devices. Invariant: a check that passes has seen every value it vouches for and
 every training batch-norm layer of the graph is synchronized; one that fails raises PassError
 naming the layer, the tower and the figure, or UnsyncedLayerError naming the layers the rewrite
@@ -181,10 +183,12 @@ class StepCheck:
         step = dict(zip(self.fetches(ran), step_values))
         step.update({placeholder: before[read] for placeholder, read in self.snapshots.items()})
         after = dict(zip(self.after, after_values))
-        partners = _partners([[u for u in layer.updates if ran is None or u.node in ran] for layer in self.layers])
+        run = [[u for u in layer.updates if ran is None or u.node in ran] for layer in self.layers]
+        partners = _partners(run)
+        written = {u.variable: u for updates in run for u in updates}
         verdicts, worst, worst_at = [], 0.0, ""
         for layer in self.layers:
-            verdict = _evaluate_layer(layer, before, step, after, ran, partners)
+            verdict = _evaluate_layer(layer, before, step, after, ran, partners, written)
             verdicts.append(verdict)
             for name, value in verdict.figures.items():
                 if value >= worst:
@@ -506,7 +510,10 @@ def _runs(old: np.ndarray, u: _Update, others: list[_Update],
 
 
 def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any], after: dict[str, Any],
-                    ran: Collection[str] | None, partners: dict[str, list[_Update]]) -> LayerVerdict:
+                    ran: Collection[str] | None, partners: dict[str, list[_Update]],
+                    written: dict[str, _Update]) -> LayerVerdict:
+    """The layer's figures and what the step did to its moving statistics; `written`: variable ->
+    an update of it the step runs (another application's, when this one's does not run)."""
     row = layer.row
     value = {name: np.asarray(v, np.float64).reshape(-1) for name, v in step.items()}
     moments = _group_moments(layer, value)
@@ -536,6 +543,11 @@ def _evaluate_layer(layer: _Layer, before: dict[str, Any], step: dict[str, Any],
     for u in layer.updates:
         old = np.asarray(before[u.read], np.float64)
         new = np.asarray(after[u.read], np.float64)
+        if ran is not None and u.node not in ran and u.variable in written:
+            # one application's update kept by the script (a GAN's on real images): the statistic
+            # is checked there, as exactly one run of that update
+            updates.append(f"{_short(u.variable)} updated by another application only ({written[u.variable].node})")
+            continue
         if ran is not None and u.node not in ran:
             _require(np.array_equal(old, new), (
                 f"layer {row.layer}: {u.variable} changed in a step that runs none of its kept updates ({u.node})"))

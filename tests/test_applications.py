@@ -195,7 +195,8 @@ def test_applications_built_in_another_order_are_told_by_their_data():
 def test_applications_that_nothing_tells_apart_are_refused_named():
     """Inputs alike from placeholders named after the tower, scopes likewise: no guess."""
     graph = _gan_towers(scopes=("r{}", "f{}"), generator=False, inputs=("x{}", "z{}"))
-    with pytest.raises(TowerMismatchError, match="neither their names nor their structure tell which goes with which"):
+    with pytest.raises(TowerMismatchError, match="neither their names, their structure nor their scopes' numbering "
+                                                 "tell which goes with which"):
         rewrite_graph(graph)
 
 
@@ -214,3 +215,62 @@ def test_towers_applying_networks_twice_train_like_one_device(tmp_path):
     assert [line.split(": verified ")[1].split(" x ")[0] for line in verified] == ["6 layers"] * 2 + ["4 layers"] * 3, lines
     assert all("4 moving statistic(s) not updated" in line for line in verified[:2]), lines
     assert not any("error" in line for line in lines), lines
+
+
+def test_towers_keeping_one_applications_statistics_train_like_one_device_and_pass_the_check(tmp_path):
+    """A GAN whose discriminator step keeps the statistics of its application to real images only,
+    a Siamese net keeping its second application's: `--verify` passes them (it stopped them
+    before, "changed in a step that runs none of its kept updates"), each statistic checked as
+    exactly one run of the update the step keeps; with one update per step the statistics are
+    not left to an order, so every quantity is judged."""
+    cases = ("gan_real", "siamese_second")
+    err = run_both(SCRIPT, tmp_path, cases, ("--verify", "-v"))
+    for case in cases:
+        print(judge(case, str(tmp_path)))
+    lines = [line for line in err.splitlines() if line.startswith("bnrewrite:")]
+    verified = [line for line in lines if ": verified " in line]
+    assert [line.split(": verified ")[1].split(" x ")[0] for line in verified] == ["6 layers", "4 layers"], lines
+    others = [line for line in lines if "updated by another application only" in line]
+    assert [line.split(":   ")[1].split(":")[0] for line in others] == ["D_1/d1_bn", "D_1/d2_bn", "E/e1_bn", "E/e2_bn"], lines
+    assert all("(tower_0/D/" in line for line in others[:2]) and all("(tower_0/E_1/" in line for line in others[2:]), lines
+    assert "4 moving statistic(s) not updated" in verified[0] and "not updated" not in verified[1], lines
+    assert not any("error" in line for line in lines), lines
+
+
+def _numbered_towers(taken: int = 2) -> tf.Graph:
+    """Towers as MirroredStrategy names them: replica 0 unscoped on /cpu:0, where `taken` scopes
+    `enc` exist already (the calls that built the model), replica 1 under `replica_1/` on /cpu:1;
+    in each an encoder (shared variables) applied to two inputs read from placeholders named
+    after the replica, so neither names nor structure pair the applications."""
+    from tf_keras.src.legacy_tf_layers import convolutional, normalization
+
+    graph = tf.Graph()
+    with graph.as_default(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(taken):
+            with tf.name_scope("enc"):
+                tf.constant(0.0)
+        opt = tf1.train.GradientDescentOptimizer(0.1)
+        grads = []
+        for k in range(2):
+            with tf.device(f"/cpu:{k}"), tf1.name_scope("replica_1" if k else None):
+                outs = []
+                for which in ("a", "b"):
+                    x = tf1.placeholder(tf.float32, [2, 6, 6, 3], name=f"{which}{k}")
+                    with tf1.variable_scope("enc", reuse=tf1.AUTO_REUSE):
+                        outs.append(normalization.batch_normalization(convolutional.conv2d(x, 4, 3), training=True))
+                grads.append(opt.compute_gradients(tf.reduce_mean(tf.square(outs[0] - 2 * outs[1]))))
+        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+            opt.apply_gradients([(tf.add_n([g for g, _ in pv]) / 2, pv[0][1]) for pv in zip(*grads)], name="train_op")
+    return graph
+
+
+def test_applications_that_only_their_scopes_numbering_tells_are_paired_by_it():
+    """Replica 0's applications are enc_2, enc_3 where replica 1's are enc, enc_1: TensorFlow numbers
+    a scope in the order the code enters it, the same in every tower, so k-th goes with k-th."""
+    report = rewrite_graph(_numbered_towers()).report
+    assert [row.sites for row in report.layers] == [
+        ["enc_2/batch_normalization/FusedBatchNormV3", "replica_1/enc/batch_normalization/FusedBatchNormV3"],
+        ["enc_3/batch_normalization/FusedBatchNormV3", "replica_1/enc_1/batch_normalization/FusedBatchNormV3"]]
+    assert any("told apart by the order of their scopes' numbers" in note for note in report.notes), report.notes
+    assert not report.skipped

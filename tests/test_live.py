@@ -6,6 +6,7 @@ device fed K*B (one_device_run), and the same graph without bnrewrite missing it
 """
 
 import collections
+import contextlib
 import dataclasses
 import re
 
@@ -387,3 +388,46 @@ def test_a_train_op_without_moving_average_updates_is_reported_as_such(capsys):
         return dataclasses.replace(result, variables={k: v for k, v in result.variables.items() if k not in moving})
 
     assert_synced("no updates", trained(got), trained(unrewritten_run(SPEC, 2)), trained(one_device_run(SPEC, 2)), 2e-5)
+
+
+def _callables_around_a_move(enabled: bool) -> list[float]:
+    """Two towers' forward pass, a session that runs it and makes its callables (make_callable
+    with and without a feed list, and from options, as Keras does), then the optimizer added and
+    a step run (under enable(): the session moves to the synchronized graph); tower 1's mean
+    output through each callable made before, and through run."""
+    from tensorflow.core.protobuf import config_pb2
+    from tf_keras.src.legacy_tf_layers import convolutional, normalization
+
+    graph = tf.Graph()
+    with graph.as_default():
+        data = np.random.RandomState(0).normal(1, 2, (8, 6, 6, 3)).astype(np.float32)
+        data[4:] = data[4:] * 3 + 2  # the towers' batches far apart
+        x = tf1.placeholder_with_default(tf.constant(data), [8, 6, 6, 3], name="x")
+        losses = []
+        for k in range(2):
+            with tf.device(f"/cpu:{k}"), tf1.name_scope(f"tower_{k}"), tf1.variable_scope("net", reuse=tf1.AUTO_REUSE):
+                h = normalization.batch_normalization(convolutional.conv2d(x[4 * k:4 * k + 4], 4, 3, name="conv"),
+                                                      training=True, name="bn")
+                losses.append(tf.reduce_mean(tf.square(h - 1.0)))
+        loss = tf.add_n(losses) / 2
+        shifted = tf.reduce_mean(h)  # tower 1's output: normalized on its own or on the global batch
+        init = tf1.global_variables_initializer()
+    with bnrewrite.enabled() if enabled else contextlib.nullcontext():
+        sess = tf1.Session(graph=graph, config=session_config(2))
+        sess.run(init)
+        options = config_pb2.CallableOptions(fetch=[shifted.name])
+        made = [sess.make_callable(shifted), sess.make_callable(shifted, feed_list=[x]),
+                sess._make_callable_from_options(options)]
+        with graph.as_default(), tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+            train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        sess.run(train_op)
+        values = [float(np.asarray(value).reshape(-1)[0]) for value in (made[0](), made[1](data), made[2]())]
+        return [*values, float(sess.run(shifted))]
+
+
+def test_callables_made_before_a_move_follow_the_session(capsys):
+    synced = _callables_around_a_move(True)
+    assert "moves to the synchronized graph" in capsys.readouterr().err
+    assert len(set(synced)) == 1, synced  # each runs the synchronized graph, bit for bit as run does
+    plain = _callables_around_a_move(False)
+    assert len(set(plain)) == 1 and abs(plain[0] - synced[0]) > 0.5 * abs(synced[0]), (plain, synced)

@@ -14,12 +14,21 @@ layer's other applications. Two things the graph shows tell the counterparts:
    input pipelines) its data comes from, by name with the tower parts taken out (a Siamese
    net's first image or its second).
 
-When both decide they must agree; applications that neither tells apart, or that they pair
-differently, are skipped with the reason rather than paired by a guess.
+When both decide they must agree. When neither does (MirroredStrategy's replica 0 sits beside
+the calls that built the model, so its applications are `encoder_2`, `encoder_3` where replica 1's
+are `encoder`, `encoder_1`, and a symmetric network reads inputs named alike), a third tells:
+
+3. scope numbering: TensorFlow numbers a scope entered again in the order the code enters it,
+   and every tower runs the same code, so the application numbered k-th in one tower goes with
+   the k-th in every other. It applies when the copies' names differ only in those numbers.
+
+Applications that none tells apart, or that names and structure pair differently, are skipped
+with the reason rather than paired by a guess.
 """
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -30,6 +39,8 @@ from bnrewrite.ops import DATA_SOURCE_OPS
 
 #: A layer's name, its copies and what lined them up (towers.py's candidate groups).
 Candidate = tuple[str, list[Site], str]
+#: A name component's scope number: `encoder_3` is the fourth `encoder` TensorFlow made.
+_NUMBERED = re.compile(r"(.*?)(?:_(\d+))?")
 
 
 def split_applications(
@@ -68,17 +79,19 @@ def split_applications(
     split: list[str] = []
     for name, members, how in sorted(repeated, key=lambda c: min(rank[s.name] for s in c[1])):
         named, structured = _pair(members, tower, ids, by_name), _pair(members, tower, ids, signature)
+        numbered = [] if named or structured else _by_numbering(members, tower, ids, by_name)
         if named and structured and _as_sets(named) != _as_sets(structured):
             reason = "its names and its structure pair them differently"
-        elif not named and not structured:
-            reason = "neither their names nor their structure tell which goes with which"
+        elif not named and not structured and not numbered:
+            reason = "neither their names, their structure nor their scopes' numbering tell which goes with which"
         else:
-            pairs = named or structured
+            pairs = named or structured or numbered
             labels = _application_names(name, pairs, by_name)
             for label, copies in zip(labels, pairs):
                 group_of.update((s.name, len(kept)) for s in copies)
                 kept.append((label, copies, how))
-            told = "names and structure" if named and structured else "names" if named else "structure"
+            told = ("names and structure" if named and structured else "names" if named else
+                    "structure" if structured else "the order of their scopes' numbers")
             split.append(f"{name} ({len(pairs)}: {', '.join(labels)}; told apart by {told})")
             continue
         count = _applied(members, tower, ids)
@@ -109,6 +122,26 @@ def _pair(members: list[Site], tower: dict[str, str], ids: list[str], key: Calla
             return []
         pairs.append(sorted(copies, key=lambda s: ids.index(tower[s.name])))
     return pairs
+
+
+def _by_numbering(members: list[Site], tower: dict[str, str], ids: list[str],
+                  by_name: Callable[[Site], str]) -> list[list[Site]]:
+    """The applications paired by rank: in each tower its copies in the order of their scopes'
+    numbers (`encoder_2` before `encoder_3`), when every copy's name (without tower parts) is
+    the same but for those numbers; else []."""
+    per_tower: dict[str, list[tuple[list[int], str]]] = defaultdict(list)
+    bases = set()
+    for s in members:
+        parts = [_NUMBERED.fullmatch(part).groups() for part in by_name(s).split("/")]  # type: ignore[union-attr]
+        bases.add(tuple(base for base, _ in parts))
+        per_tower[tower[s.name]].append(([int(n or 0) for _, n in parts], s.name))
+    if len(bases) != 1:
+        return []
+    site = {s.name: s for s in members}
+    ranked = [sorted(per_tower[t]) for t in ids]
+    if any(a[0] == b[0] for copies in ranked for a, b in zip(copies, copies[1:])):
+        return []
+    return [[site[name] for _, name in copies] for copies in zip(*ranked)]
 
 
 def _as_sets(pairs: list[list[Site]]) -> set[frozenset[str]]:

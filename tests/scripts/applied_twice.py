@@ -7,6 +7,9 @@
 * siamese: per tower one embedding net applied to both images of each pair, a contrastive loss;
   siamese_moments: the same with `fused=False` batch norm (tf.nn.moments).
 * two_stream: per tower two nets of their own (no variable shared) on two inputs.
+* gan_real: the gan whose discriminator step keeps the moving statistics of its application to
+  real images only (its train op under control_dependencies of that application's UPDATE_OPS,
+  common practice); siamese_second: the siamese net keeping its second application's only.
 
 `python applied_twice.py OUT CASE ... [--towers 2] [--batch 4] [--reference]`, in the form
 tests/script_oracle.py runs: OUT/CASE.npz holds every variable (weights, moving statistics) and
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import zlib
+from collections.abc import Callable
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # tf.compat.v1.layers on TF >= 2.16
 
@@ -29,7 +33,7 @@ import oracle_cli  # noqa: E402
 
 tf1 = tf.compat.v1
 layers = tf1.layers
-CASES = ("gan", "gan_tape", "siamese", "siamese_moments", "two_stream")
+CASES = ("gan", "gan_tape", "siamese", "siamese_moments", "two_stream", "gan_real", "siamese_second")
 STEPS = 3
 
 
@@ -67,6 +71,14 @@ def _updates_of(scope: str) -> list[tf.Operation]:
     return [op for op in ops if any(i.op.type == "VarHandleOp" and i.op.name.startswith(f"{scope}/") for i in op.inputs)]
 
 
+def _made_updates(build: Callable[[], tf.Tensor], kept: list[tf.Operation]) -> tf.Tensor:
+    """`build()`, the UPDATE_OPS it adds appended to `kept`."""
+    before = len(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS))
+    out = build()
+    kept += tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)[before:]
+    return out
+
+
 def _build(case: str, towers: int, batch: int) -> tuple[list[tf.Tensor], list[tf.Operation], list[tf.Tensor]]:
     """Placeholders (a, b, z, same), the train ops to run in turn each step, the losses."""
     rows = towers * batch
@@ -75,12 +87,14 @@ def _build(case: str, towers: int, batch: int) -> tuple[list[tf.Tensor], list[tf
     opt = tf1.train.MomentumOptimizer(0.05, 0.9)
     grads: dict[str, list] = {"D": [], "G": []}
     losses: dict[str, list] = {"D": [], "G": []}
+    kept: list[tf.Operation] = []  # gan_real, siamese_second: the one application's updates the step keeps
     for k in range(towers):
         with tf.device(f"/cpu:{k}"), tf.name_scope(f"tower_{k}"):
             a, b, z, same = (t[k * batch:(k + 1) * batch] for t in feeds)
             if case.startswith("gan"):
                 with tf.GradientTape(persistent=True) if case == "gan_tape" else contextlib.nullcontext() as tape:
-                    real, fake = _discriminator(a), _discriminator(_generator(z))
+                    real = _made_updates(lambda: _discriminator(a), kept)
+                    fake = _discriminator(_generator(z))
                     xent = tf.nn.sigmoid_cross_entropy_with_logits
                     d_loss = (tf.reduce_mean(xent(labels=tf.ones_like(real), logits=real))
                               + tf.reduce_mean(xent(labels=tf.zeros_like(fake), logits=fake)))
@@ -93,12 +107,20 @@ def _build(case: str, towers: int, batch: int) -> tuple[list[tf.Tensor], list[tf
             else:
                 fused = case != "siamese_moments"
                 second = "F" if case == "two_stream" else "E"
-                distance = tf.reduce_sum(tf.square(_embed(a, "E", fused) - _embed(b, second, fused)), 1)
+                first = _embed(a, "E", fused)
+                distance = tf.reduce_sum(tf.square(first - _made_updates(lambda: _embed(b, second, fused), kept)), 1)
                 losses["D"].append(tf.reduce_mean(same * distance + (1 - same) * tf.nn.relu(1.0 - distance)))
                 grads["D"].append(opt.compute_gradients(losses["D"][-1]))
     with tf.device("/cpu:0"):
-        if case.startswith("gan"):
+        if case == "gan_real":
+            with tf.control_dependencies(kept):
+                trains = [opt.apply_gradients(_averaged(grads["D"]))]
+            trains.append(tf.group(opt.apply_gradients(_averaged(grads["G"])), *_updates_of("G")))
+        elif case.startswith("gan"):
             trains = [tf.group(opt.apply_gradients(_averaged(grads[s])), *_updates_of(s)) for s in ("D", "G")]
+        elif case == "siamese_second":
+            with tf.control_dependencies(kept):
+                trains = [opt.apply_gradients(_averaged(grads["D"]))]
         else:
             trains = [tf.group(opt.apply_gradients(_averaged(grads["D"])), *tf1.get_collection(tf1.GraphKeys.UPDATE_OPS))]
         return feeds, trains, [tf.add_n(v) / towers for v in losses.values() if v]

@@ -25,6 +25,10 @@
 * mirrored_fit: compile and fit under `tf.distribute.MirroredStrategy` (one replica per device);
   mirrored_fit_unfused: the same with `fused=False` batch norm (each replica's gradients come
   from a tf.GradientTape, whose moments' gradients carry no `mean_grad` scope).
+* multi_gpu_refit: multi_gpu, fit, then compiled again with a new optimizer and learning rate and
+  fit on (issue 49: the second train op read an update the rewrite had removed).
+* mirrored_shared: mirrored_fit of a model with a layer shared inside it: one encoder (its batch
+  norm) applied to both of two inputs in every replica.
 
 With --reference each also trains the one-device reference: the same model fed the whole batch
 (fit without the merging model or the strategy), once as is and once with its images scaled by
@@ -54,9 +58,11 @@ from tf_keras.src import backend  # noqa: E402
 tf1 = tf.compat.v1
 CASES = ("functional", "learning_phase", "cond_v1", "set_learning_phase", "update_ops", "sequential", "unfused",
          "unfused_any_batch", "renorm", "float16", "mobilenet", "multi_gpu", "mirrored_fit", "mirrored_fit_unfused",
-         "multi_gpu_soft", "learning_phase_soft", "multi_gpu_then_template")
+         "multi_gpu_soft", "learning_phase_soft", "multi_gpu_then_template", "multi_gpu_refit", "mirrored_shared")
 #: Cases whose towers ask for GPUs this machine lacks: soft placement runs them on its one CPU.
 SOFT = ("multi_gpu_soft", "learning_phase_soft")
+FITTED = ("multi_gpu", "mirrored_fit", "mirrored_fit_unfused", "multi_gpu_soft", "multi_gpu_then_template",
+          "multi_gpu_refit", "mirrored_shared")
 STEPS, CLASSES = 3, 3
 
 
@@ -72,6 +78,14 @@ def _model(case: str) -> keras.Model:
     options = {"unfused": {"fused": False}, "unfused_any_batch": {"fused": False}, "renorm": {"renorm": True},
                "mirrored_fit_unfused": {"fused": False}}.get(case, {})
     layers = keras.layers
+    if case == "mirrored_shared":
+        image = keras.Input((6, 6, 3))
+        x = layers.Conv2D(4, 3, use_bias=False, name="conv1")(image)
+        x = layers.GlobalAveragePooling2D()(layers.ReLU()(layers.BatchNormalization(momentum=0.9, name="bn1")(x)))
+        encoder = keras.Model(image, x, name="encoder")
+        first, second = keras.Input((6, 6, 3)), keras.Input((6, 6, 3))
+        both = layers.concatenate([encoder(first), encoder(second)])
+        return keras.Model([first, second], layers.Dense(CLASSES, name="logits")(both), name="net")
     if case in ("sequential", "mirrored_fit", "mirrored_fit_unfused"):
         return keras.Sequential([
             layers.Conv2D(4, 3, use_bias=False, input_shape=(6, 6, 3), name="conv1"),
@@ -179,7 +193,7 @@ def _multi_gpu(model: keras.Model, towers: int, device: str = "cpu") -> keras.Mo
 
 def _fit(case: str, towers: int, batch: int, images: np.ndarray, targets: np.ndarray) -> keras.Model:
     _session(towers, case)
-    if case.startswith("mirrored_fit") and towers > 1:
+    if case.startswith("mirrored") and towers > 1:
         with tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(towers)]).scope():
             model = _model(case)
             model.compile(keras.optimizers.legacy.SGD(0.1), "mse")
@@ -189,7 +203,14 @@ def _fit(case: str, towers: int, batch: int, images: np.ndarray, targets: np.nda
         trained = _multi_gpu(model, towers, "gpu" if case in SOFT else "cpu") if towers > 1 else model
         trained.compile(keras.optimizers.legacy.SGD(0.1), "mse")
     _initial(model)
-    trained.fit(images, targets, batch_size=towers * batch, epochs=1, shuffle=False, verbose=0)
+    if case == "multi_gpu_refit":
+        first = (STEPS - 1) * towers * batch
+        trained.fit(images[:first], targets[:first], batch_size=towers * batch, epochs=1, shuffle=False, verbose=0)
+        trained.compile(keras.optimizers.legacy.SGD(0.05, momentum=0.5), "mse")  # a new optimizer, a new train op
+        trained.fit(images[first:], targets[first:], batch_size=towers * batch, epochs=1, shuffle=False, verbose=0)
+        return model
+    inputs = [images, images[:, ::-1] * np.float32(0.5)] if case == "mirrored_shared" else images
+    trained.fit(inputs, targets, batch_size=towers * batch, epochs=1, shuffle=False, verbose=0)
     if case == "multi_gpu_then_template":  # fine-tuned on one device: the template's own train op
         if trained is not model:
             model.compile(keras.optimizers.legacy.SGD(0.1), "mse")
@@ -229,11 +250,10 @@ def train(case: str, towers: int, batch: int, perturb: float = 0.0) -> dict[str,
     keras.mixed_precision.set_global_policy("mixed_float16" if case == "float16" else "float32")
     (tf1.disable_control_flow_v2 if case == "cond_v1" else tf1.enable_control_flow_v2)()
     images, targets = _data(case, STEPS * towers * batch, perturb)
-    fits = ("multi_gpu", "mirrored_fit", "mirrored_fit_unfused", "multi_gpu_soft", "multi_gpu_then_template")
-    model = (_fit if case in fits else _per_tower)(case, towers, batch, images, targets)
+    model = (_fit if case in FITTED else _per_tower)(case, towers, batch, images, targets)
     weights = _weights(model)
-    if case == "mobilenet":  # the small cases check the checkpoints; MobileNetV2 takes seconds to build
-        return weights
+    if case in ("mobilenet", "mirrored_shared"):  # the others check the checkpoints (MobileNetV2 takes seconds to
+        return weights                            # build; the shared encoder's model takes two inputs)
     with tempfile.TemporaryDirectory() as directory:
         model.save_weights(os.path.join(directory, "weights"))
         tf1.train.Saver(model.weights).save(backend.get_session(), os.path.join(directory, "saver"))
