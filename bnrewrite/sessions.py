@@ -20,9 +20,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
-from bnrewrite.arguments import check_arguments
+from bnrewrite.arguments import check_arguments, check_seconds
 from bnrewrite.carry import carry, new_session, restarts
 from bnrewrite.errors import AlreadyRewrittenError, BnRewriteError, IndependentModelsError, UnsyncedLayerError
+from bnrewrite.bounds import START_SECONDS, bound_seconds, met_layers, run_bounded
 from bnrewrite.live import (
     MAY_TRAIN_BATCH_NORM,
     NOTHING_TO_SYNC,
@@ -46,18 +47,23 @@ def enable(
     *, backend: str = "auto", tower_by: str = "auto", group_size: int | None = None, timeout_seconds: float = 0.0,
     num_workers: int = 1, task_index: int = 0, allow_unsynced: bool = False, quiet: bool = False,
     verbose: bool = False, verify: bool = False, exit_on_refusal: bool = False,
+    start_timeout_seconds: float = START_SECONDS,
 ) -> None:
     """From now on, every graph-mode session created on a graph with multi-tower training batch
     norm runs the synchronized graph (as under `bnrewrite run`); graphs with nothing to
     synchronize run unchanged, with a note on stderr unless `quiet`. A graph bnrewrite refuses
     raises its error at session creation (`exit_on_refusal`: prints it and exits with its
     code), or with `allow_unsynced` runs unchanged with a warning. `verify`: the first step of
-    each rewritten graph is checked layer by layer (docs/run.md). Options: `rewrite_graph`'s."""
+    each rewritten graph is checked layer by layer (docs/run.md). Options: `rewrite_graph`'s, but
+    `timeout_seconds` bounds every step that runs an all-reduce (0: bnrewrite.bounds' default),
+    `start_timeout_seconds` the first such step of several workers (docs/run.md)."""
     check_arguments(backend, tower_by, group_size, timeout_seconds, num_workers, task_index)
+    check_seconds("start_timeout_seconds", start_timeout_seconds, positive=True)
     rewrite = dict(backend=backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds,
                    num_workers=num_workers, task_index=task_index)
     with state.lock:
-        state.options = LiveOptions(rewrite, allow_unsynced, exit_on_refusal, quiet, verbose, verify)
+        state.options = LiveOptions(rewrite, allow_unsynced, exit_on_refusal, quiet, verbose, verify,
+                                    start_timeout=float(start_timeout_seconds))
         _install()
 
 
@@ -206,11 +212,14 @@ def _patch(module: Any) -> None:
         if shadow is not None or getattr(self, "_bnrewrite_watch", False):  # each kind of run once: should it
             names = tuple(op.name for op in target_list) + tuple(t.op.name for t in fetch_list)  # move (carry)
             self.__dict__.setdefault("_bnrewrite_runs", {})[names, bool(feed_dict)] = None
-        if shadow is not None:
-            if shadow.missing:
-                shadow.refuse_missing(op.name for op in target_list)
-                shadow.refuse_missing(t.op.name for t in fetch_list)
-                shadow.refuse_missing((t.deref().op.name for t in feed_dict), fed=True)
+        if shadow is None:
+            return do_run(self, handle, target_list, fetch_list, feed_dict, options, run_metadata)
+        if shadow.missing:
+            shadow.refuse_missing(op.name for op in target_list)
+            shadow.refuse_missing(t.op.name for t in fetch_list)
+            shadow.refuse_missing((t.deref().op.name for t in feed_dict), fed=True)
+
+        def run(options: Any) -> Any:
             first = shadow.first_step
             if first is not None:
                 names = [op.name for op in target_list] + [t.op.name for t in fetch_list]
@@ -220,7 +229,15 @@ def _patch(module: Any) -> None:
                                              run_metadata)
                     _not_verified(shadow, first, "its first training step runs through partial_run, to which the "
                                                  "check cannot add its fetches")
-        return do_run(self, handle, target_list, fetch_list, feed_dict, options, run_metadata)
+            return do_run(self, handle, target_list, fetch_list, feed_dict, options, run_metadata)
+
+        layers = _meets(shadow, [op.name for op in target_list], [t.name for t in fetch_list],
+                        [t.deref().name for t in feed_dict], options)
+        if not layers:
+            return run(options)
+        seconds = bound_seconds(shadow.meetings)
+        return run_bounded(shadow.meetings, layers, shadow.number, shadow.options.exit_on_refusal, seconds,
+                           lambda: _with_timeout(options, seconds, run))
 
     @functools.wraps(make_callable)
     def _make_callable_from_options(self: Any, callable_options: Any) -> Any:
@@ -231,11 +248,53 @@ def _patch(module: Any) -> None:
             if first.trains_with(names) and _claim(shadow, first):
                 _not_verified(shadow, first, "its training step runs through a callable (make_callable, Keras' fit), "
                                              "to which the check cannot add its fetches")
-        return make_callable(self, callable_options)
+        layers = _meets(shadow, list(callable_options.target), list(callable_options.fetch),
+                        list(callable_options.feed), callable_options.run_options.SerializeToString())
+        if not layers:
+            return make_callable(self, callable_options)
+        seconds = bound_seconds(shadow.meetings)  # a callable's run options are its own from now on
+        bounded = type(callable_options)()
+        bounded.CopyFrom(callable_options)
+        bounded.run_options.timeout_in_ms = max(1, round(seconds * 1000))
+        made = make_callable(self, bounded)
+        return lambda *args, **kwargs: run_bounded(shadow.meetings, layers, shadow.number,
+                                                   shadow.options.exit_on_refusal, seconds, lambda: made(*args, **kwargs))
 
     base.__init__, base._extend_graph, base._do_run = __init__, _extend_graph, _do_run
     base._make_callable_from_options = _make_callable_from_options
     base._bnrewrite_patched = True
+
+
+def _meets(shadow: Shadow | None, ops: list[str], fetches: list[str], fed: list[str], options: Any) -> frozenset[int]:
+    """The layers whose all-reduces a run meets, when bnrewrite bounds it: on a shadow with keyed
+    all-reduces (enable()'s), and not given a timeout of the script's own (RunOptions.timeout_in_ms)."""
+    if shadow is None or shadow.meetings is None or _run_options(options).timeout_in_ms:
+        return frozenset()
+    return met_layers(shadow.meetings, ops, fetches, fed)
+
+
+def _run_options(options: Any) -> Any:
+    """RunOptions from a TF_Buffer pointer (a run's), serialized bytes (a callable's) or None."""
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.client import pywrap_tf_session as tf_session
+
+    parsed = config_pb2.RunOptions()
+    if options is not None:
+        parsed.ParseFromString(options if isinstance(options, bytes) else tf_session.TF_GetBuffer(options))
+    return parsed
+
+
+def _with_timeout(options: Any, seconds: float, run: Callable[[Any], Any]) -> Any:
+    """`run` given the run's options (a TF_Buffer pointer or None) with timeout_in_ms `seconds`."""
+    from tensorflow.python.client import pywrap_tf_session as tf_session
+
+    bounded = _run_options(options)
+    bounded.timeout_in_ms = max(1, round(seconds * 1000))
+    buffer = tf_session.TF_NewBufferFromString(bounded.SerializeToString())
+    try:
+        return run(buffer)
+    finally:
+        tf_session.TF_DeleteBuffer(buffer)
 
 
 def _current(session: Any) -> Shadow | None:

@@ -33,7 +33,7 @@ import pytest  # noqa: E402
 #: Whole modules left out of the fast subset: subprocesses (the CLI, `check`, several workers),
 #: and the oracle's long sweeps over layers, trainers, towers and backends.
 SLOW_MODULES = frozenset({
-    "test_bench_variants.py", "test_cli.py", "test_harness.py", "test_mirrored.py", "test_multi_worker.py",
+    "test_bench_variants.py", "test_bounded_steps.py", "test_cli.py", "test_harness.py", "test_mirrored.py", "test_multi_worker.py",
     "test_nccl_on_cpu.py", "test_replicated.py", "test_residual.py", "test_selfcheck.py", "test_tower_shapes.py",
     "test_trainers.py", "test_unfused_and_cond.py",
 })
