@@ -60,6 +60,7 @@ SLOW_TESTS = (
     "test_keras_towers.py::test_soft_placed_towers_and_a_later_template_fit_train_like_one_device",
     "test_applications.py::test_towers_applying_networks_twice_train_like_one_device",
     "test_ps_cluster.py::test_a_",
+    "test_ps_cluster.py::test_ps_workers_started_apart",
     "test_keras_towers.py::test_mobilenet_v2_per_tower_trains_like_one_device",
     "test_keras_towers.py::test_the_keras_example",
     *(f"test_stepcheck.py::test_every_form_verifies_in_process[{form}]" for form in (
