@@ -299,9 +299,10 @@ def _rewrite(
         if plan.backend == "ps":
             report.notes.append(
                 f"all-reduces through queues on {', '.join(map(str, plan.servers))}, which have no time-out: "
-                "bnrewrite run bounds each step by --timeout, sessions of your own by ConfigProto.operation_timeout_in_ms")
+                "bnrewrite run and enable() bound each step, sessions of your own should set RunOptions.timeout_in_ms")
         elif not options.timeout_seconds:
-            report.notes.append("no collective timeout: a worker that never joins makes the others wait forever")
+            report.notes.append("no collective timeout in the graph: bnrewrite run and enable() bound each step, a "
+                                "session of your own waits forever for a worker that never joins")
     removed = {r["node"] for r in report.removed}
     with _signals_held():  # the caller's GraphDef changes here when in place: in steps undo can take back
         undo.graph = rewritten

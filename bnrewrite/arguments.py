@@ -30,10 +30,7 @@ def check_arguments(
     if group_size is not None and not (_is_int(group_size) and group_size >= 1):
         raise BnRewriteError(f"group_size={group_size!r} is not valid; give a positive integer (1 or more) "
                              "that divides the number of towers, or None for all towers together")
-    if not (isinstance(timeout_seconds, (int, float)) and not isinstance(timeout_seconds, bool)
-            and math.isfinite(timeout_seconds) and timeout_seconds >= 0):
-        raise BnRewriteError(f"timeout_seconds={timeout_seconds!r} is not valid; give a finite number of seconds, "
-                             "0 or more (0: no timeout)")
+    check_seconds("timeout_seconds", timeout_seconds)
     if not (_is_int(num_workers) and num_workers >= 1):
         raise BnRewriteError(f"num_workers={num_workers!r} is not valid; give a positive integer (1 or more)")
     if not (_is_int(task_index) and 0 <= task_index < num_workers):
@@ -41,6 +38,14 @@ def check_arguments(
                              f"{num_workers - 1} (num_workers {num_workers})")
     if not isinstance(in_place, bool):
         raise BnRewriteError(f"in_place={in_place!r} is not valid; give True or False")
+
+
+def check_seconds(name: str, value: Any, positive: bool = False) -> None:
+    """A finite number of seconds, 0 or more (more than 0 if `positive`), or BnRewriteError naming it."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and (value > 0 if positive else value >= 0)):
+        raise BnRewriteError(f"{name}={value!r} is not valid; give a finite number of seconds, "
+                             + ("more than 0" if positive else "0 or more (0: no timeout)"))
 
 
 def _is_int(value: Any) -> bool:

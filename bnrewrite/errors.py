@@ -102,6 +102,14 @@ class PassError(GraphValidationError):
     exit_code = 12
 
 
+class StepTimeoutError(BnRewriteError):
+    """Under `bnrewrite run` / `enable()`, a synchronized step's all-reduce did not complete within
+    its bound: a tower that does not run its member, a worker that died, never started, or was
+    given the same task index as another. Names the layer, the towers and the bound."""
+
+    exit_code = 13
+
+
 class RemovedByRewriteError(BnRewriteError):
     """A handle names a node the rewrite removed (e.g. a duplicate moving-average update)."""
 

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from bnrewrite.bounds import START_SECONDS
 from bnrewrite.c_graph import import_fragment, operations
 from bnrewrite.errors import (
     AlreadyRewrittenError,
@@ -59,6 +60,7 @@ class LiveOptions:
     quiet: bool = False
     verbose: bool = False
     verify: bool = False  # check the first step of each rewritten graph (bnrewrite.first_step)
+    start_timeout: float = START_SECONDS  # the first meeting of several workers' bound (bnrewrite.bounds)
 
 
 @dataclass
@@ -79,7 +81,7 @@ class Shadow:
     signature: tuple = ()  # what the rewrite synchronized and skipped (_signature)
     replaced_by: "Shadow | None" = None  # the shadow of the graph grown since, which sessions move to
     sites: dict[str, int] = field(default_factory=dict)  # training batch norms the rewrite saw (_sites)
-    step_timeout_ms: int = 0  # backend ps with a timeout: every step's bound (step_config)
+    meetings: Any = None  # its keyed all-reduces, whose runs are bounded (bnrewrite.bounds.Meetings)
     cpu_devices: int = 0  # the CPU devices its session needs: all-reduces spread over them (step_config)
 
     def catch_up(self, script_graph: Any) -> None:
@@ -202,43 +204,38 @@ def records() -> list[dict[str, Any]]:
 
 def make_shadow(count: int, result: Any, number: int = 0, options: LiveOptions | None = None, config: Any = None) -> Shadow:
     """The shadow of a graph whose first `count` ops `result` rewrote; to be verified, with the
-    check's ops."""
+    check's ops; its meetings bounded when `options` (enable()'s) are given, not for
+    rewrite_graph(g, in_place=True), whose graph carries the caller's own timeout."""
     import tensorflow as tf
 
+    from bnrewrite.bounds import meetings
     from bnrewrite.first_step import FirstStep
 
+    bounded = options is not None
     options = options or LiveOptions()
     shadow_graph = tf.Graph()
     import_fragment(shadow_graph, result.graph_def.SerializeToString(), {}, {})
     first_step = FirstStep.build(shadow_graph, result) if options.verify else None
     removed = {r["node"]: f"the rewrite removed it ({r['why']})" for r in result.report.removed}
     functions = {f.signature.name for f in result.graph_def.library.function}
-    timeout = options.rewrite.get("timeout_seconds", 0.0) if result.report.backend == "ps" else 0.0
     return Shadow(shadow_graph, count, removed, functions, number, options, first_step, config=config,
-                  signature=_signature(result.report), sites=_sites(result.report),
-                  step_timeout_ms=max(1, round(timeout * 1000)) if timeout else 0, cpu_devices=result.report.cpu_devices)
+                  signature=_signature(result.report), sites=_sites(result.report), cpu_devices=result.report.cpu_devices,
+                  meetings=meetings(result.graph_def, result.report, options.rewrite, options.start_timeout) if bounded
+                  else None)
 
 
 def step_config(config: Any, shadow: Shadow) -> Any:
-    """The ConfigProto for a session on `shadow`: with backend ps and a timeout, its
-    operation_timeout_in_ms (unless the script set one) bounds every step, as TensorFlow's
-    queues have no time-out of their own: a worker that never joins or dies makes the others'
-    step fail with DeadlineExceededError instead of waiting forever; with all-reduces spread
-    over CPU devices (towers that run on one device), at least that many CPU devices."""
-    bound = shadow.step_timeout_ms and not (config is not None and config.operation_timeout_in_ms)
-    cpus = _cpus(config)
-    if not bound and cpus >= shadow.cpu_devices:
+    """The ConfigProto for a session on `shadow`: with all-reduces spread over CPU devices
+    (towers that run on one device), at least that many CPU devices."""
+    if _cpus(config) >= shadow.cpu_devices:
         return config
     from tensorflow.core.protobuf import config_pb2
 
-    bounded = config_pb2.ConfigProto()
+    more = config_pb2.ConfigProto()
     if config is not None:
-        bounded.CopyFrom(config)
-    if bound:
-        bounded.operation_timeout_in_ms = shadow.step_timeout_ms
-    if cpus < shadow.cpu_devices:
-        bounded.device_count["CPU"] = shadow.cpu_devices
-    return bounded
+        more.CopyFrom(config)
+    more.device_count["CPU"] = shadow.cpu_devices
+    return more
 
 
 def _copy_ops(new_ops: list[Any], script_graph: Any, shadow: Shadow) -> None:
@@ -282,6 +279,8 @@ def _copy_ops(new_ops: list[Any], script_graph: Any, shadow: Shadow) -> None:
     if shadow.first_step is not None:  # a train op built after the session is a step to check too
         shadow.first_step.learn({node.name: [name.lstrip("^").split(":")[0] for name in node.input]
                                  for node in fragment.node})
+    if shadow.meetings is not None:
+        shadow.meetings.learn(fragment.node)
     if fragment.node:
         added = [node.name for node in fragment.node]
         existing.update(zip(added, import_fragment(shadow.graph, fragment.SerializeToString(), inputs, controls, added)))
@@ -327,9 +326,10 @@ def decide(graph: Any, config: Any, options: LiveOptions, again: bool = False,
     version, graph_def = exported or (graph.version, graph.as_graph_def())
     count = len(graph_def.node)
     try:
+        # no timeout in the graph: the session bounds each run that meets, the first of several workers' longer
         result = rewrite_graph(graph_def, in_place=True, if_rewritten="keep", available_gpus=_gpus(config),
                                available_cpus=_cpus(config),
-                               allow_unsynced=options.allow_unsynced, **options.rewrite)
+                               allow_unsynced=options.allow_unsynced, **{**options.rewrite, "timeout_seconds": 0.0})
     except IndependentModelsError as exc:
         return _refused(number, exc, options, version)
     except NOTHING_TO_SYNC as exc:

@@ -118,6 +118,8 @@ def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
     if waits:
         raise TowerMismatchError(waits)
     devices = [site.device for site in towers.groups[0].sites]
+    if options.num_workers > 1:
+        _check_task(devices, options.task_index)
     servers = _servers(graph, devices) if options.num_workers > 1 else ()
     inside = next((name for group in towers.groups for site in group.sites for name in (site.name, *site.grads)
                    if in_body(name)), "")
@@ -139,6 +141,17 @@ def _set_aside_one_device_steps(census: Census, tower_by: str) -> None:
         idle = {skip.node for skip in alone}
         census.not_run.extend(alone)
         census.sites = [site for site in census.sites if site.name not in idle]
+
+
+def _check_task(devices: list[Device], task_index: int) -> None:
+    """A worker's towers that name their task run on task `task_index`: a worker given another's
+    index (two workers with the same one) would take that worker's place in every all-reduce."""
+    other = next((d for d in devices if d.task >= 0 and d.task != task_index), None)
+    if other is not None:
+        raise BnRewriteError(
+            f"task_index={task_index} does not fit this worker: its towers run on {other}, task {other.task}; give "
+            f"each worker the index of its own task (two workers given task_index={task_index} would both take "
+            f"worker {task_index}'s place in every all-reduce and wait for the missing one)")
 
 
 def _servers(graph: Graph, devices: list[Device]) -> tuple[Device, ...]:

@@ -20,9 +20,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
-from bnrewrite.arguments import check_arguments
+from bnrewrite.arguments import check_arguments, check_seconds
 from bnrewrite.carry import carry, new_session, restarts
 from bnrewrite.errors import AlreadyRewrittenError, BnRewriteError, IndependentModelsError, UnsyncedLayerError
+from bnrewrite.bounds import START_SECONDS, bound_seconds, met_layers, run_bounded
 from bnrewrite.live import (
     MAY_TRAIN_BATCH_NORM,
     NOTHING_TO_SYNC,
@@ -47,18 +48,23 @@ def enable(
     *, backend: str = "auto", tower_by: str = "auto", group_size: int | None = None, timeout_seconds: float = 0.0,
     num_workers: int = 1, task_index: int = 0, allow_unsynced: bool = False, quiet: bool = False,
     verbose: bool = False, verify: bool = False, exit_on_refusal: bool = False,
+    start_timeout_seconds: float = START_SECONDS,
 ) -> None:
     """From now on, every graph-mode session created on a graph with multi-tower training batch
     norm runs the synchronized graph (as under `bnrewrite run`); graphs with nothing to
     synchronize run unchanged, with a note on stderr unless `quiet`. A graph bnrewrite refuses
     raises its error at session creation (`exit_on_refusal`: prints it and exits with its
     code), or with `allow_unsynced` runs unchanged with a warning. `verify`: the first step of
-    each rewritten graph is checked layer by layer (docs/run.md). Options: `rewrite_graph`'s."""
+    each rewritten graph is checked layer by layer (docs/run.md). Options: `rewrite_graph`'s, but
+    `timeout_seconds` bounds every step that runs an all-reduce (0: bnrewrite.bounds' default),
+    `start_timeout_seconds` the first such step of several workers (docs/run.md)."""
     check_arguments(backend, tower_by, group_size, timeout_seconds, num_workers, task_index)
+    check_seconds("start_timeout_seconds", start_timeout_seconds, positive=True)
     rewrite = dict(backend=backend, tower_by=tower_by, group_size=group_size, timeout_seconds=timeout_seconds,
                    num_workers=num_workers, task_index=task_index)
     with state.lock:
-        state.options = LiveOptions(rewrite, allow_unsynced, exit_on_refusal, quiet, verbose, verify)
+        state.options = LiveOptions(rewrite, allow_unsynced, exit_on_refusal, quiet, verbose, verify,
+                                    start_timeout=float(start_timeout_seconds))
         _install()
 
 
@@ -207,11 +213,14 @@ def _patch(module: Any) -> None:
         if shadow is not None or getattr(self, "_bnrewrite_watch", False):  # each kind of run once: should it
             names = tuple(op.name for op in target_list) + tuple(t.op.name for t in fetch_list)  # move (carry)
             self.__dict__.setdefault("_bnrewrite_runs", {})[names, bool(feed_dict)] = None
-        if shadow is not None:
-            if shadow.missing:
-                shadow.refuse_missing(op.name for op in target_list)
-                shadow.refuse_missing(t.op.name for t in fetch_list)
-                shadow.refuse_missing((t.deref().op.name for t in feed_dict), fed=True)
+        if shadow is None:
+            return do_run(self, handle, target_list, fetch_list, feed_dict, options, run_metadata)
+        if shadow.missing:
+            shadow.refuse_missing(op.name for op in target_list)
+            shadow.refuse_missing(t.op.name for t in fetch_list)
+            shadow.refuse_missing((t.deref().op.name for t in feed_dict), fed=True)
+
+        def run(options: Any) -> Any:
             first = shadow.first_step
             if first is not None:
                 names = [op.name for op in target_list] + [t.op.name for t in fetch_list]
@@ -221,7 +230,15 @@ def _patch(module: Any) -> None:
                                              run_metadata)
                     _not_verified(shadow, first, "its first training step runs through partial_run, to which the "
                                                  "check cannot add its fetches")
-        return do_run(self, handle, target_list, fetch_list, feed_dict, options, run_metadata)
+            return do_run(self, handle, target_list, fetch_list, feed_dict, options, run_metadata)
+
+        layers = _meets(shadow, [op.name for op in target_list], [t.name for t in fetch_list],
+                        [t.deref().name for t in feed_dict], options)
+        if not layers:
+            return run(options)
+        seconds = bound_seconds(shadow.meetings)
+        return run_bounded(shadow.meetings, layers, shadow.number, shadow.options.exit_on_refusal, seconds,
+                           lambda: _with_timeout(options, seconds, run))
 
     @functools.wraps(make_callable)
     def _make_callable_from_options(self: Any, callable_options: Any) -> Any:
@@ -243,16 +260,29 @@ def _patch(module: Any) -> None:
 
 class _Following:
     """A callable made by `Session._make_callable_from_options` (Keras' functions) that follows its
-    session to a new shadow: TensorFlow's holds a handle into the TensorFlow session it was made
-    in, which after a move is no longer the session's, so a call there would fail ("No such
-    callable handle") or run another callable. Each call first catches the session up (moving it
-    if its graph grew), and the callable is made again in the session's TensorFlow session when
-    that has changed."""
+    session to a new shadow, bounded where it meets keyed all-reduces (bnrewrite.bounds): TensorFlow's
+    holds a handle into the TensorFlow session it was made in, which after a move is no longer the
+    session's, so a call there would fail ("No such callable handle") or run another callable. Each
+    call first catches the session up (moving it if its graph grew), and the callable is made again,
+    with the new shadow's bound, in the session's TensorFlow session when that has changed."""
 
     def __init__(self, session: Any, options: Any, make: Callable[[Any, Any], Any]) -> None:
         self._session, self._options, self._make = session, options, make
         self._made_in = session._session
-        self._callable = make(session, options)
+        self._callable, self._bound = self._made()
+
+    def _made(self) -> tuple[Any, tuple[Shadow, frozenset[int], float] | None]:
+        """TensorFlow's callable for the session's shadow now, and its bound (None: unbounded)."""
+        options, shadow = self._options, getattr(self._session, "_bnrewrite_shadow", None)
+        layers = _meets(shadow, list(options.target), list(options.fetch), list(options.feed),
+                        options.run_options.SerializeToString())
+        if not layers:
+            return self._make(self._session, options), None
+        seconds = bound_seconds(shadow.meetings)  # a callable's run options are its own from now on
+        bounded = type(options)()
+        bounded.CopyFrom(options)
+        bounded.run_options.timeout_in_ms = max(1, round(seconds * 1000))
+        return self._make(self._session, bounded), (shadow, layers, seconds)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         session = self._session
@@ -260,9 +290,13 @@ class _Following:
             _current(session)
         if session._session is not self._made_in:
             self._forget()
-            self._callable = self._make(session, self._options)
+            self._callable, self._bound = self._made()
             self._made_in = session._session
-        return self._callable(*args, **kwargs)
+        if self._bound is None:
+            return self._callable(*args, **kwargs)
+        shadow, layers, seconds = self._bound
+        return run_bounded(shadow.meetings, layers, shadow.number, shadow.options.exit_on_refusal, seconds,
+                           lambda: self._callable(*args, **kwargs))
 
     def _forget(self) -> None:
         """Drop a handle of a TensorFlow session the session has left (closed with it): released
@@ -273,6 +307,38 @@ class _Following:
     def __del__(self) -> None:
         if getattr(self, "_callable", None) is not None:
             self._forget()
+
+
+def _meets(shadow: Shadow | None, ops: list[str], fetches: list[str], fed: list[str], options: Any) -> frozenset[int]:
+    """The layers whose all-reduces a run meets, when bnrewrite bounds it: on a shadow with keyed
+    all-reduces (enable()'s), and not given a timeout of the script's own (RunOptions.timeout_in_ms)."""
+    if shadow is None or shadow.meetings is None or _run_options(options).timeout_in_ms:
+        return frozenset()
+    return met_layers(shadow.meetings, ops, fetches, fed)
+
+
+def _run_options(options: Any) -> Any:
+    """RunOptions from a TF_Buffer pointer (a run's), serialized bytes (a callable's) or None."""
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.client import pywrap_tf_session as tf_session
+
+    parsed = config_pb2.RunOptions()
+    if options is not None:
+        parsed.ParseFromString(options if isinstance(options, bytes) else tf_session.TF_GetBuffer(options))
+    return parsed
+
+
+def _with_timeout(options: Any, seconds: float, run: Callable[[Any], Any]) -> Any:
+    """`run` given the run's options (a TF_Buffer pointer or None) with timeout_in_ms `seconds`."""
+    from tensorflow.python.client import pywrap_tf_session as tf_session
+
+    bounded = _run_options(options)
+    bounded.timeout_in_ms = max(1, round(seconds * 1000))
+    buffer = tf_session.TF_NewBufferFromString(bounded.SerializeToString())
+    try:
+        return run(buffer)
+    finally:
+        tf_session.TF_DeleteBuffer(buffer)
 
 
 def _current(session: Any) -> Shadow | None:

@@ -33,7 +33,7 @@ import pytest  # noqa: E402
 #: Whole modules left out of the fast subset: subprocesses (the CLI, `check`, several workers),
 #: and the oracle's long sweeps over layers, trainers, towers and backends.
 SLOW_MODULES = frozenset({
-    "test_bench_variants.py", "test_cli.py", "test_harness.py", "test_mirrored.py", "test_multi_worker.py",
+    "test_bench_variants.py", "test_bounded_steps.py", "test_cli.py", "test_harness.py", "test_mirrored.py", "test_multi_worker.py",
     "test_nccl_on_cpu.py", "test_replicated.py", "test_residual.py", "test_selfcheck.py", "test_tower_shapes.py",
     "test_trainers.py", "test_unfused_and_cond.py",
 })
@@ -64,6 +64,7 @@ SLOW_TESTS = (
     "test_applications.py::test_towers_applying_networks_twice_train_like_one_device",
     "test_applications.py::test_towers_keeping_one_applications_statistics",
     "test_ps_cluster.py::test_a_",
+    "test_ps_cluster.py::test_ps_workers_started_apart",
     "test_keras_towers.py::test_mobilenet_v2_per_tower_trains_like_one_device",
     "test_keras_towers.py::test_the_keras_example",
     *(f"test_stepcheck.py::test_every_form_verifies_in_process[{form}]" for form in (

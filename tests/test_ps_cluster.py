@@ -84,16 +84,43 @@ def test_a_ps_cluster_trains_120_steps(tmp_path, layout):
     assert _errors(worker1, worker0) == dict.fromkeys(_errors(worker1, worker0), 0.0)
 
 
-def test_a_lone_ps_worker_fails_within_its_timeout(tmp_path):
-    """Queues have no time-out: run bounds every step by --timeout (operation_timeout_in_ms)."""
+def test_a_lone_ps_worker_stops_at_its_start_bound_with_one_line(tmp_path):
+    """Queues have no time-out: run bounds the first step that meets by --start-timeout."""
     start = time.monotonic()
-    runs = launch(str(tmp_path), "replicated", 2, True, tasks=(0,), timeout="4", deadline=90.0)
+    runs = launch(str(tmp_path), "replicated", 2, True, tasks=(0,), timeout="4", start_timeout="8", deadline=90.0)
     assert time.monotonic() - start < 60
-    assert runs[0].returncode != 0 and "DeadlineExceededError" in runs[0].stdout, runs[0].stdout[-3000:]
+    assert runs[0].returncode == 13, runs[0].stdout[-3000:]
+    [line] = [line for line in runs[0].stdout.splitlines() if line.startswith("bnrewrite: error:")]
+    assert ("a step waited 8 s at the all-reduce of batch-norm layer net/bn1 (and 1 more layer(s)) across towers "
+            "tower_0 of worker 0 and the 1 other worker(s) and was stopped: another worker never joined" in line), line
 
 
-def _ps_towers_graph(on_ps: bool = True, training: object = True):
-    """2 towers on worker 0's CPUs with legacy tf.layers batch norm, every variable on /job:ps
+def test_ps_workers_started_apart_train_like_one_process(tmp_path):
+    """Worker 1 starts 10 s after worker 0, under --timeout 3 (issue 49: a 50-step run under --timeout 30
+    failed at step 0 on both workers, start-up skew): the first meeting waits for it."""
+    synced_dir, ref_dir = tmp_path / "synced", tmp_path / "reference"
+    synced_dir.mkdir(), ref_dir.mkdir()
+    runs = launch(str(synced_dir), "ps", 2, True, 2, timeout="3", gap=10.0)
+    worker0, worker1 = _worker_results(str(synced_dir), runs)
+    reference = _reference(str(ref_dir), 2, 1.0)
+    floor = _errors(_reference(str(ref_dir), 2, 1.0 + 1e-7), reference)
+    errors = _errors(worker0, reference)
+    assert all(errors[n] <= 5 * max(floor[n], 1e-6) for n in errors), (errors, floor)
+    assert _errors(worker1, worker0) == dict.fromkeys(errors, 0.0)
+
+
+def test_one_worker_given_another_workers_task_index_is_refused_naming_it():
+    from bnrewrite import BnRewriteError, rewrite_graph
+
+    with pytest.raises(BnRewriteError, match=r"^task_index=0 does not fit this worker: its towers run on "
+                                             r"/job:worker/replica:0/task:1/device:CPU:0, task 1; .*two workers given "
+                                             r"task_index=0") as caught:
+        rewrite_graph(_ps_towers_graph(task=1).as_graph_def(), num_workers=2, task_index=0)
+    assert caught.value.exit_code == 1
+
+
+def _ps_towers_graph(on_ps: bool = True, training: object = True, task: int = 0):
+    """2 towers on worker `task`'s CPUs with legacy tf.layers batch norm, every variable on /job:ps
     (tf.compat.v1.train.replica_device_setter), averaged gradients: a parameter-server worker
     (`on_ps` False: the variables on the worker's CPUs too; `training`: a bool or "cond", a
     boolean placeholder, which puts the batch norm under tf.cond)."""
@@ -106,7 +133,7 @@ def _ps_towers_graph(on_ps: bool = True, training: object = True):
     with graph.as_default():
         optimizer, grads = tf1.train.GradientDescentOptimizer(0.1), []
         for k in range(2):
-            worker = f"/job:worker/replica:0/task:0/device:CPU:{k}"
+            worker = f"/job:worker/replica:0/task:{task}/device:CPU:{k}"
             place = tf1.train.replica_device_setter(worker_device=worker, cluster=cluster) if on_ps else worker
             with tf1.device(place), \
                     tf1.variable_scope("net", reuse=k > 0), tf1.name_scope(f"tower_{k}"):
@@ -132,8 +159,8 @@ def test_the_workers_graphs_meet_at_queues_on_the_ps_and_worker_0_alone_updates_
     statistics on the ps have one update over both workers."""
     from bnrewrite import rewrite_graph
 
-    graph = _ps_towers_graph()
-    results = [rewrite_graph(graph.as_graph_def(), num_workers=2, task_index=task) for task in (0, 1)]
+    results = [rewrite_graph(_ps_towers_graph(task=task).as_graph_def(), num_workers=2, task_index=task)
+               for task in (0, 1)]
     assert [r.report.backend for r in results] == ["ps", "ps"]
     ends: dict[str, Counter] = {}
     for result in results:
@@ -156,10 +183,10 @@ def test_the_workers_graphs_meet_at_queues_on_the_ps_and_worker_0_alone_updates_
 def test_backends_that_cannot_serve_a_ps_cluster_are_refused():
     from bnrewrite import BackendError, rewrite_graph
 
-    graph_def = _ps_towers_graph().as_graph_def()
     with pytest.raises(BackendError, match=r"/job:ps/replica:0/task:0/device:CPU:0, a process that runs no tower.*"
                                            r"'Cleanup <step id>'.*use backend=\"ps\"") as caught:
-        rewrite_graph(graph_def, backend="collective", num_workers=2, task_index=1)
+        rewrite_graph(_ps_towers_graph(task=1).as_graph_def(), backend="collective", num_workers=2, task_index=1)
+    graph_def = _ps_towers_graph().as_graph_def()
     assert caught.value.exit_code == 9
     with pytest.raises(BackendError, match="with one worker use backend=\"local\""):
         rewrite_graph(graph_def, backend="ps")
@@ -184,7 +211,7 @@ def test_backend_ps_refuses_batch_norm_inside_control_flow_v2_branches():
     was = tf.compat.v1.control_flow_v2_enabled()
     tf.compat.v1.enable_control_flow_v2()
     try:
-        graph_def = _ps_towers_graph(training="cond").as_graph_def()
+        graph_def = _ps_towers_graph(training="cond", task=1).as_graph_def()
     finally:
         if not was:
             tf.compat.v1.disable_control_flow_v2()

@@ -17,7 +17,7 @@ PROG = "bnrewrite"
 _FLAGS = {
     "backend": "--backend", "tower_by": "--tower-by", "group_size": "--group-size",
     "timeout_seconds": "--timeout", "num_workers": "--workers", "task_index": "--task-index",
-    "allow_unsynced": "--allow-unsynced",
+    "allow_unsynced": "--allow-unsynced", "start_timeout_seconds": "--start-timeout",
     "towers": "--towers", "steps": "--steps",  # bnrewrite.check's
 }
 _KEYWORD = re.compile(r"\b(" + "|".join(_FLAGS) + r")=\"?([\w.]*)\"?|\b(" + "|".join(k for k in _FLAGS if "_" in k) + r")\b")

@@ -10,6 +10,7 @@ from typing import Any
 
 from bnrewrite import __version__, errors, selfcheck
 from bnrewrite.arguments import BACKENDS
+from bnrewrite.bounds import DEFAULT_SECONDS, START_SECONDS
 from bnrewrite.cli.convert import cmd_convert
 from bnrewrite.cli.diff import cmd_diff
 from bnrewrite.cli.inspect import cmd_inspect
@@ -230,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("-m", dest="module", metavar="MODULE", help="run library module MODULE as a script (python -m)")
     _rewrite_options(run, tags=False)
+    run.add_argument("--start-timeout", type=_positive_float, default=START_SECONDS, metavar="SECONDS",
+                     help="with --workers N > 1: how long the first step that runs an all-reduce waits for the other "
+                          f"workers to start (default {START_SECONDS:g}, as MonitoredTrainingSession waits)")
     run.add_argument("--allow-unsynced", action="store_true",
                      help="run a graph bnrewrite refuses with a warning instead of stopping the script: synchronized but for "
                           "the layers that cannot be, or as it is")
@@ -284,8 +288,8 @@ def _rewrite_options(parser: argparse.ArgumentParser, tags: bool = True) -> None
     group.add_argument("--group-size", type=_positive_int, metavar="G",
                        help="synchronize towers in consecutive groups of G (default: all towers together)")
     group.add_argument("--timeout", type=_non_negative_float, default=0.0, metavar="SECONDS",
-                       help="collective all-reduce timeout (backend ps, under run: every step's), so a missing peer "
-                            "fails instead of hanging (0: none)")
+                       help="collective all-reduce timeout, so a missing peer fails instead of hanging (0: none); "
+                            f"under run: every step's that runs an all-reduce (0: {DEFAULT_SECONDS:g})")
     group.add_argument("--workers", type=_positive_int, default=1, metavar="N",
                        help="between-graph replication: N identical workers (collective backend)")
     group.add_argument("--task-index", type=_non_negative_int, metavar="I",
@@ -341,6 +345,13 @@ def _non_negative_float(text: str) -> float:
     value = _parsed(text, float, "a number")
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative number of seconds")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
     return value
 
 

@@ -42,7 +42,7 @@ from bnrewrite.errors import BnRewriteError, OutputError
 
 #: run's options that take a value: what comes after them is not SCRIPT.
 VALUE_OPTIONS = frozenset({"--backend", "--tower-by", "--group-size", "--timeout", "--workers", "--task-index",
-                           "--report"})
+                           "--start-timeout", "--report"})
 #: How python ends when it cannot find or read what to run: its exit status.
 NOT_FOUND = 1
 
@@ -96,7 +96,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     report = _check_report(args.report, args.force, [main.file] if main is not None and main.file else [])
     options = dict(backend=args.backend, tower_by=args.tower_by, group_size=args.group_size,
                    timeout_seconds=args.timeout, num_workers=args.workers, task_index=args.task_index or 0,
-                   allow_unsynced=args.allow_unsynced, quiet=args.quiet, verbose=args.verbose, verify=args.verify,
+                   start_timeout_seconds=args.start_timeout, allow_unsynced=args.allow_unsynced, quiet=args.quiet, verbose=args.verbose, verify=args.verify,
                    exit_on_refusal=True)
     sessions.enable(**options)
     children.follow(options)  # multiprocessing 'spawn' children run with the same options

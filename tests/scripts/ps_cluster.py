@@ -220,11 +220,12 @@ def _free_ports(n: int) -> list[int]:
 
 
 def launch(out: str, layout: str, steps: int, synced: bool, towers: int = 1, tasks=(0, 1),
-             timeout: str = "60", deadline: float = 240.0, plain: bool = False) -> dict[int, subprocess.CompletedProcess]:
+           timeout: str = "60", deadline: float = 240.0, plain: bool = False, start_timeout: str | None = None,
+           gap: float = 0.0) -> dict[int, subprocess.CompletedProcess]:
     """Start a ps running this script and its workers `tasks` of 2 (under `bnrewrite run
-    --workers 2 --timeout T` when `synced`; `plain`: the one-tower script without scopes), wait
-    for the workers (at most `deadline` s), stop every process this started by its own id; the
-    workers' exit codes and output."""
+    --workers 2 --timeout T [--start-timeout S]` when `synced`; `plain`: the one-tower script
+    without scopes), each `gap` s after the one before, wait for the workers (at most `deadline`
+    s), stop every process this started by its own id; the workers' exit codes and output."""
     ps_port, *worker_ports = _free_ports(3)
     hosts = json.dumps({"ps": [f"127.0.0.1:{ps_port}"], "worker": [f"127.0.0.1:{p}" for p in worker_ports]})
     common = ["--hosts", hosts, "--layout", layout, "--steps", str(steps), "--out", out, "--towers", str(towers),
@@ -236,8 +237,12 @@ def launch(out: str, layout: str, steps: int, synced: bool, towers: int = 1, tas
     workers = {}
     try:
         for task in tasks:
-            run = [sys.executable, "-m", "bnrewrite", "run", "--workers", "2", "--task-index", str(task),
-                   "--timeout", timeout] if synced else [sys.executable]
+            if task != tasks[0]:
+                time.sleep(gap)
+            run = [sys.executable]
+            if synced:
+                run += ["-m", "bnrewrite", "run", "--workers", "2", "--task-index", str(task), "--timeout", timeout,
+                        *(["--start-timeout", start_timeout] if start_timeout else [])]
             workers[task] = subprocess.Popen([*run, script, "--job", "worker", "--task", str(task), *common], env=env,
                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             started.append(workers[task])
