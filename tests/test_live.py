@@ -396,10 +396,12 @@ def _callables_around_a_move(enabled: bool) -> list[float]:
     a step run (under enable(): the session moves to the synchronized graph); tower 1's mean
     output through each callable made before, and through run."""
     from tensorflow.core.protobuf import config_pb2
+    import tf_keras as keras
     from tf_keras.src.legacy_tf_layers import convolutional, normalization
 
     graph = tf.Graph()
     with graph.as_default():
+        keras.utils.set_random_seed(0)  # the legacy layers' initial values (Keras' own seed): run to run the same
         data = np.random.RandomState(0).normal(1, 2, (8, 6, 6, 3)).astype(np.float32)
         data[4:] = data[4:] * 3 + 2  # the towers' batches far apart
         x = tf1.placeholder_with_default(tf.constant(data), [8, 6, 6, 3], name="x")
