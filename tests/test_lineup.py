@@ -208,12 +208,15 @@ def test_scale_and_offset_gradients_wait_for_dx():
     with graph.as_default(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         opt = tf1.train.GradientDescentOptimizer(0.1)
+        grads = []
         for k in range(2):
             with tf.device(f"/cpu:{k}"), tf.name_scope(f"tower_{k}"), tf1.variable_scope("net", reuse=k > 0, use_resource=False):
                 x = tf1.placeholder(tf.float32, [2, 4, 4, 3], name="images")
                 y = normalization.batch_normalization(x, training=True, fused=True, name="bn")
-                grads = opt.compute_gradients(tf.reduce_mean(tf.square(y)))
-        opt.apply_gradients(grads, name="apply")  # the update of scale is free to run early
+                grads.append(opt.compute_gradients(tf.reduce_mean(tf.square(y))))
+        # every tower trained in the one step (a step running one tower's all-reduce member alone is
+        # refused: it would wait forever); the update of scale is free to run early
+        opt.apply_gradients([(tf.add_n([g for g, _ in pair]), pair[0][1]) for pair in zip(*grads)], name="apply")
     result = rewrite_graph(graph, backend="collective")
     rewritten = Graph.from_graph_def(result.graph_def)
     replaced = [n for n in result.graph_def.node if n.op == "IdentityN" and n.name.endswith("FusedBatchNormGradV3")]

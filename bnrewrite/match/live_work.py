@@ -95,8 +95,10 @@ def trained_alone(tower: Mapping[str, str], runs: Mapping[str, frozenset[str]]) 
     if not runs:
         return [], ""
     main = max(runs, key=lambda step: len({tower[s] for s in runs[step]}))
-    apart = {step: sites for step, sites in runs.items() if sites.isdisjoint(runs[main])}
     every = {tower[s] for s in runs[main]}
+    if len(every) < 2:  # no step trains several towers (separate models, each its own step): no all-reduce to guard
+        return [], ""
+    apart = {step: sites for step, sites in runs.items() if sites.isdisjoint(runs[main])}
     for step, sites in runs.items():
         lacks = every - {tower[s] for s in sites}
         if step not in apart and lacks:
