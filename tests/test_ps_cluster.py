@@ -220,9 +220,9 @@ def test_backend_ps_refuses_batch_norm_inside_control_flow_v2_branches():
         rewrite_graph(graph_def, num_workers=2, task_index=1)
 
 
-def _one_unscoped_tower(on_ps: bool):
+def _one_unscoped_tower(on_ps: bool, task: int = 0):
     """The plain one-device-per-worker graph: conv - bn1 - conv - bn2 at the top level (no tower or
-    model scope), on worker 0 (variables on the ps when `on_ps`, else on the worker: a collective
+    model scope), on worker `task` (variables on the ps when `on_ps`, else on the worker: a collective
     cluster's), SyncReplicasOptimizer over 2 workers on the ps."""
     import tensorflow as tf
     from tf_keras.src.legacy_tf_layers import normalization
@@ -230,7 +230,7 @@ def _one_unscoped_tower(on_ps: bool):
     tf1 = tf.compat.v1
     graph = tf.Graph()
     cluster = tf.train.ClusterSpec({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]})
-    worker = "/job:worker/task:0"
+    worker = f"/job:worker/task:{task}"
     with graph.as_default(), tf1.device(tf1.train.replica_device_setter(worker_device=worker, cluster=cluster)
                                         if on_ps else worker):
         x = tf1.placeholder(tf.float32, [2, 4, 4, 3])
@@ -252,11 +252,11 @@ def test_one_unscoped_tower_a_worker_is_the_tower(on_ps, backend):
     program and runs unchanged."""
     from bnrewrite import NoTowersError, rewrite_graph
 
-    graph_def = _one_unscoped_tower(on_ps).as_graph_def()
-    for task in (0, 1):
-        report = rewrite_graph(graph_def, num_workers=2, task_index=task).report
-        assert (report.backend, report.towers, report.tower_by) == (backend, ["/job:worker/task:0"], "device")
+    for task in (0, 1):  # each worker's own graph (another's is refused: its towers run on another task)
+        report = rewrite_graph(_one_unscoped_tower(on_ps, task).as_graph_def(), num_workers=2, task_index=task).report
+        assert (report.backend, report.towers, report.tower_by) == (backend, [f"/job:worker/task:{task}"], "device")
         assert [row.layer for row in report.layers] == ["bn1", "bn2"]
+    graph_def = _one_unscoped_tower(on_ps).as_graph_def()
     with pytest.raises(NoTowersError, match="batch norm bn1/FusedBatchNormV3 feeds batch norm bn2/FusedBatchNormV3"):
         rewrite_graph(graph_def)
     with pytest.raises(NoTowersError, match=r"\(bn1, bn2 were taken for towers\)"):
