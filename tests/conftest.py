@@ -54,6 +54,7 @@ SLOW_TESTS = (
     "test_run.py::test_run_reports_every_graph",
     "test_run.py::test_refused_graph",
     "test_run.py::test_verify_checks_the_training_step",
+    "test_run.py::test_summary_threads_trainers",
     "test_run.py::test_ctrl_c",
     "test_one_device.py::test_run_leaves_one_device_programs",
     "test_silent.py::test_run_synchronizes",
