@@ -91,6 +91,16 @@ def count(graph_def: tf1.GraphDef, fetches: list[str], feeds: dict[str, object],
     return Count(len(needed.node) - constants, constants, len(ran), sum(n.op not in NO_KERNEL for n in ran))
 
 
+def row(form: str, backend: str, sites: int, a: Count, b: Count) -> dict[str, object]:
+    """The rewritten graph's counts `b` less the as-built ones `a`, per site; launches as a ratio."""
+    return {
+        "form": form, "backend": backend, "sites": sites,
+        "graph": (b.graph - a.graph) / sites, "constants": (b.constants - a.constants) / sites,
+        "step": (b.step - a.step) / sites, "launches": (b.launches - a.launches) / sites,
+        "launch_ratio": b.launches / a.launches,
+    }
+
+
 def measure(name: str, spec: Spec, backend: str, towers: int) -> dict[str, object]:
     """One row: the form's as-built and rewritten counts, per site."""
     device = "gpu" if backend == "nccl" else "cpu"
@@ -111,12 +121,7 @@ def measure(name: str, spec: Spec, backend: str, towers: int) -> dict[str, objec
     sites = len(result.report.layers) * towers
     a = count(before, fetches, feeds, towers, built.init)
     b = count(after, fetches, feeds, towers, built.init)
-    return {
-        "form": name, "backend": backend, "sites": sites,
-        "graph": (b.graph - a.graph) / sites, "constants": (b.constants - a.constants) / sites,
-        "step": (b.step - a.step) / sites, "launches": (b.launches - a.launches) / sites,
-        "launch_ratio": b.launches / a.launches,
-    }
+    return row(name, backend, sites, a, b)
 
 
 def measure_deep(towers: int, layers: int) -> dict[str, object]:
@@ -136,12 +141,7 @@ def measure_deep(towers: int, layers: int) -> dict[str, object]:
     init = next(n.name for n in before.node if n.name.startswith("init") and n.op == "NoOp")
     a = count(before, ["train_op"], feeds, towers, init)
     b = count(result.graph_def, ["train_op"], feeds, towers, init)
-    return {
-        "form": f"deep_net {towers}x{layers} fused", "backend": "local", "sites": sites,
-        "graph": (b.graph - a.graph) / sites, "constants": (b.constants - a.constants) / sites,
-        "step": (b.step - a.step) / sites, "launches": (b.launches - a.launches) / sites,
-        "launch_ratio": b.launches / a.launches,
-    }
+    return row(f"deep_net {towers}x{layers} fused", "local", sites, a, b)
 
 
 def main(argv: list[str] | None = None) -> None:
