@@ -11,10 +11,10 @@ fetching tower 0's loss with it, as python trains it: one device.
 * late: layers, the fine-tuning op built after the multi-tower steps ran (the session's graph grows).
 
 `partial_steps.py OUT CASE... [--reference]` (tests/scripts/oracle_cli.py) writes every variable
-before and after the fine-tuning and the losses of both phases; `partial_steps.py --replay RUN.npz
-OUT.npz CASE` builds the K = 2 towers again under plain python, loads RUN's values from before the
-fine-tuning and runs the fine-tuning steps alone: what python does for those steps from the same
-weights.
+before and after the fine-tuning and the losses of both phases; `partial_steps.py --replay RUN OUT
+CASE...` builds the K = 2 towers again under plain python, loads RUN/CASE.npz's values from before
+the fine-tuning and runs the fine-tuning steps alone into OUT/CASE.npz: what python does for those
+steps from the same weights.
 """
 
 from __future__ import annotations
@@ -148,20 +148,23 @@ def train(case: str, towers: int, batch: int, perturb: float = 0.0) -> dict[str,
     return out
 
 
-def replay(run: str, out: str, case: str) -> None:
-    """The fine-tuning steps alone under plain python, from `run`'s values before them."""
+def replay(run: str, out: str, cases: list[str]) -> None:
+    """The fine-tuning steps alone under plain python, from the values before them in RUN/CASE.npz:
+    OUT/CASE.npz."""
     tf1.disable_eager_execution()
-    built = _graph(case, TOWERS)
-    with np.load(run) as values, tf1.Session(config=tf1.ConfigProto(device_count={"CPU": TOWERS})) as session:
-        backend.set_session(session)
-        session.run(tf1.global_variables_initializer())
-        for variable in tf1.global_variables():
-            variable.load(values[f"before/{variable.op.name}"], session)
-        np.savez(out, **_finetune(session, built, _finetune_images(0.0)))
+    for case in cases:
+        built = _graph(case, TOWERS)
+        config = tf1.ConfigProto(device_count={"CPU": TOWERS})
+        with np.load(os.path.join(run, f"{case}.npz")) as values, tf1.Session(config=config) as session:
+            backend.set_session(session)
+            session.run(tf1.global_variables_initializer())
+            for variable in tf1.global_variables():
+                variable.load(values[f"before/{variable.op.name}"], session)
+            np.savez(os.path.join(out, f"{case}.npz"), **_finetune(session, built, _finetune_images(0.0)))
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--replay":
-        replay(*sys.argv[2:5])
+        replay(sys.argv[2], sys.argv[3], sys.argv[4:])
     else:
         oracle_cli.main(CASES, train)
