@@ -3,14 +3,16 @@
 A fine-tuning op on tower 0 alone (`opt2.minimize(tower_0_loss)` after the `train_op` over every
 tower) shares tower 0's batch norms with the multi-tower step. Synchronized, those would wait in
 every all-reduce for the towers the step does not run; python trains one device there. So the
-nodes that step runs from those batch norms down to what the other steps also run (batch norms,
-losses, moving-average updates) are copied under `COPY_SCOPE`, and the step's own nodes (its
-gradients, its optimizer) read the copies: the step runs exactly what python runs, and the copies,
-trained by that step alone, are set aside as one device's (live_work.trained_alone).
+forward pass from those batch norms down that the step shares with the other steps (batch norms,
+losses, moving-average updates), and what no step runs (a loss fetched with it), is copied under
+`COPY_SCOPE`, and the step's own nodes (its gradients, its optimizer) read the copies: the step runs
+exactly what python runs, and the copies, trained by that step alone, are set aside as one
+device's (live_work.trained_alone).
 
 Invariant: no node of the input changes but the step's own, which read copies of the same ops
 with the same inputs; every copy has its original's name under COPY_SCOPE (`copies`, which a
-session on the result uses for what the script fetches with that step).
+session on the result uses for what the script fetches with that step). A stateful random op
+(dropout) among them draws from its own state (same seed): the same distribution, other numbers.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from bnrewrite.nodes import outer_node
 
 COPY_SCOPE = "bnrewrite_alone"
 IF_OPS = ("If", "StatelessIf")
-#: Ops a copy could not run as its original does (a loop's frame, a random stream of its own).
+#: Ops a copy could not run as its original does (a loop and its frame).
 NOT_COPIED = ("Enter", "Exit", "NextIteration", "LoopCond", "While", "StatelessWhile")
 
 
@@ -58,8 +60,7 @@ def copy_steps(graph: Graph, alone: Mapping[str, frozenset[str]], steps: Mapping
         others = upstream(graph, *(end for end in steps if end != step))
         ran = upstream(graph, step)
         shared = graph.downstream({outer_node(site) for site in sites}) - backward - (ran ^ others)
-        bad = next((name for name in sorted(shared) if graph.node(name).op in NOT_COPIED
-                    or _random(graph.node(name))), "")
+        bad = next((name for name in sorted(shared) if graph.node(name).op in NOT_COPIED), "")
         if bad:
             return StepCopies(graph, why=f"training step {step} runs tower {_tower(sites)} alone through {bad} "
                                f"({graph.node(bad).op}), which a copy would not run as python does")
@@ -73,7 +74,7 @@ def copy_steps(graph: Graph, alone: Mapping[str, frozenset[str]], steps: Mapping
             for key in (k for k in ("then_branch", "else_branch") if node.op in IF_OPS):
                 node.attr[key].func.name = _copy_function(library, node.attr[key].func.name, scope)
             editor.add(node)
-        for name in ran - others - shared:
+        for name in ran - others:
             found.own[name] = renamed
             if any(parse_input(spec)[0] in renamed for spec in graph.node(name).input):
                 _read_copies(editor.mutable(name), renamed)
@@ -101,11 +102,6 @@ def _copy_function(library: function_pb2.FunctionDefLibrary, name: str, scope: s
         new.CopyFrom(function)
         new.signature.name = copied
     return copied
-
-
-def _random(node: node_def_pb2.NodeDef) -> bool:
-    """A stateful random op: its copy would draw numbers of its own, not the original's next ones."""
-    return node.op.startswith("Random") or node.op in ("TruncatedNormal", "ParameterizedTruncatedNormal", "Multinomial")
 
 
 def _tower(sites: frozenset[str]) -> str:
