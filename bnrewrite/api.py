@@ -8,6 +8,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 from tensorflow.core.framework import graph_pb2
@@ -22,21 +23,24 @@ from bnrewrite.errors import (
     BnRewriteError,
     InferenceOnlyError,
     NoBatchNormError,
+    TowerMismatchError,
     UnsyncedLayerError,
 )
 from bnrewrite.graph import Graph
 from bnrewrite.graph_assembly import copy_fields
 from bnrewrite.names import tensor_name
-from bnrewrite.match.live_work import NOT_RUN, not_run, steps
+from bnrewrite.match.live_work import NOT_RUN, gradient_callers, not_run, one_tower_steps, steps
 from bnrewrite.match.census import Census, Site
 from bnrewrite.match.sites import normalization, scan
-from bnrewrite.nodes import MARK
+from bnrewrite.match.towers import tower_map
+from bnrewrite.nodes import MARK, outer_node
 from bnrewrite.opcheck import check_nodes
 from bnrewrite.passes import run_passes
 from bnrewrite.passes.record import PassRecord
 from bnrewrite.passes.sites import KERNEL_MIN_ELEMENTS, kernel_size_unknown
 from bnrewrite.plan import Options, Plan, plan_without_shared_body_updates
 from bnrewrite.report import LayerRow, MovingUpdate, Report, TowerTensors
+from bnrewrite.step_copies import COPY_SCOPE, copy_steps
 
 
 @dataclass(frozen=True)
@@ -224,7 +228,7 @@ def _rewrite(
     model = Graph.from_graph_def(graph_def, storage=storage)
     model.validate()  # a dangling input or a cycle in the input is the input's fault, not a pass's
     check_nodes(model)
-    combined, bodies, census = take_census(model)
+    combined, bodies, census = take_census(model, options.tower_by)
     if census.rewritten:
         if if_rewritten == "error":
             raise AlreadyRewrittenError(
@@ -312,11 +316,27 @@ def _rewrite(
     return RewriteResult(out_def, meta, report)
 
 
-def take_census(model: Graph) -> tuple[Graph, functions.Bodies | None, Census]:
+def take_census(model: Graph, tower_by: str = "") -> tuple[Graph, functions.Bodies | None, Census]:
     """The graph with its If branches flattened beside it, those branches, and every batch-norm
-    op found in both and in the rest of the function library: what the rewrite (and `inspect`) see."""
+    op found in both and in the rest of the function library: what the rewrite (and `inspect`) see.
+    With `tower_by` (the rewrite's), a later step that runs one tower of the multi-tower step runs
+    copies of that tower's forward pass (step_copies), which the graph and census then hold."""
+    combined, bodies, census = _census(model)
+    alone = one_tower_steps(tower_map(census.sites, tower_by), census.steps) if tower_by else {}
+    if not alone:
+        return combined, bodies, census
+    copied = copy_steps(model, alone, census.steps, gradient_callers(census.sites, _callers(bodies)))
+    if copied.why:
+        raise TowerMismatchError(f"{copied.why}: train every tower in one step, or a single tower in a graph of its own")
+    combined, bodies, census = _census(copied.graph, copied.own)
+    census.copies = copied.copies
+    return combined, bodies, census
+
+
+def _census(model: Graph, aliases: Mapping[str, Mapping[str, str]] | None = None
+            ) -> tuple[Graph, functions.Bodies | None, Census]:
     combined, bodies = functions.flatten(model)
-    census = scan(combined)
+    census = scan(combined, aliases)
     if model.library is not None and not census.rewritten:  # marks in branch functions left unflattened
         census.rewritten.extend(
             f"{f.signature.name}/{n.name}" for f in model.library.function for n in f.node_def if MARK in n.attr
@@ -327,8 +347,13 @@ def take_census(model: Graph) -> tuple[Graph, functions.Bodies | None, Census]:
     if census.not_run:
         idle = {skip.node for skip in census.not_run}
         census.sites = [site for site in census.sites if site.name not in idle]
-    census.steps = steps(combined, census.sites, {b.prefix: b.caller for b in bodies.bodies} if bodies else {})
+    census.steps = steps(combined, census.sites, _callers(bodies))
     return combined, bodies, census
+
+
+def _callers(bodies: functions.Bodies | None) -> dict[str, str]:
+    """Each flattened branch body's prefix -> the If that calls it."""
+    return {b.prefix: b.caller for b in bodies.bodies} if bodies else {}
 
 
 def _as_protos(
@@ -424,10 +449,17 @@ def _report(graph: Graph, plan: Plan, records: list[PassRecord], census: Census,
         report.notes.append(
             f"{len(idle)} training batch-norm op(s) that no training step runs left as they are, not towers "
             f"(e.g. {idle[0]}: the call that built a Keras model on its own Input, an unused copy)")
-    alone = [s for s in census.not_run if s.reason != NOT_RUN]
+    alone = [s for s in census.not_run if s.reason != NOT_RUN and not s.node.startswith(COPY_SCOPE)]
     if alone:
         report.notes.append(f"{len(alone)} training batch-norm op(s) left as they are, not towers: {alone[0].node}: "
                             f"{alone[0].reason}")
+    report.copies = census.copies
+    for step, copies in census.copies.items():
+        sites = sorted(s.node for s in census.not_run if outer_node(s.node).split("/", 1)[1] in copies)
+        report.notes.append(
+            f"training step {step} runs {len(sites)} batch-norm op(s) of one tower alone (e.g. "
+            f"{sites[0].split('/', 1)[1] if sites else next(iter(copies))}): it runs them and what they feed "
+            f"unsynchronized, as python does ({len(copies)} node(s) copied under {next(iter(copies.values())).split('/')[0]}/)")
     report.passes = [
         {"name": r.name, "added": r.added, "replaced": len(r.replaced), "removed": len(r.removed),
          "control_edges": r.control_edges, "seconds": round(r.seconds, 4)}

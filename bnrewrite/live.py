@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +83,22 @@ class Shadow:
     sites: dict[str, int] = field(default_factory=dict)  # training batch norms the rewrite saw (_sites)
     meetings: Any = None  # its keyed all-reduces, whose runs are bounded (bnrewrite.bounds.Meetings)
     cpu_devices: int = 0  # the CPU devices its session needs: all-reduces spread over them (step_config)
+    copies: dict[str, dict[str, str]] = field(default_factory=dict)  # a step training one tower alone -> node -> copy
+
+    def copies_for(self, names: Iterable[str]) -> dict[str, str]:
+        """Node -> the copy a run of `names` computes it by ({} for most runs): a step that trains one
+        tower alone runs copies of its forward pass (bnrewrite.step_copies), so what the script
+        fetches with it is read from those, as python computes it in that step."""
+        return next((self.copies[name] for name in names if name in self.copies), {})
+
+    def output(self, name: str, index: int) -> Any:
+        """The TF_Output of output `index` of the shadow's node `name`."""
+        from tensorflow.python.framework import c_api_util
+
+        with self.lock:
+            if self.operations is None:
+                self.operations = operations(self.graph)
+            return c_api_util.tf_output(self.operations[name], index)
 
     def catch_up(self, script_graph: Any) -> None:
         """Copy the ops added to `script_graph` since the last call; an op that reads a missing
@@ -127,7 +143,7 @@ def _regrow(script_graph: Any, shadow: Shadow) -> None:
     from bnrewrite.graph import Graph
 
     version, graph_def = script_graph.version, script_graph.as_graph_def()  # read, never written, by the census
-    _, _, census = take_census(Graph.from_graph_def(graph_def))
+    _, _, census = take_census(Graph.from_graph_def(graph_def), shadow.options.rewrite.get("tower_by", "auto"))
     found = {s.name: len(s.grads) for s in census.sites}
     found.update((s.node, -1) for s in (*census.skips, *census.not_run))
     if found == shadow.sites:
@@ -152,9 +168,10 @@ def _sites(report: Any) -> dict[str, int]:
 
 
 def _signature(report: Any) -> tuple:
-    """What a rewrite synchronized (each layer's sites and gradients) and skipped."""
+    """What a rewrite synchronized (each layer's sites and gradients) and skipped, and the steps it
+    gave copies of one tower (step_copies)."""
     return (tuple((tuple(row.sites), tuple(row.gradients)) for row in report.layers),
-            tuple(s["node"] for s in report.skipped))
+            tuple(s["node"] for s in report.skipped), tuple(sorted(report.copies)))
 
 
 def growth(old: Shadow, new: Shadow) -> str:
@@ -163,6 +180,10 @@ def growth(old: Shadow, new: Shadow) -> str:
         return len(signature[0]), sum(len(gradients) for _, gradients in signature[0])
 
     (layers, gradients), (had_layers, had_gradients) = counts(new.signature), counts(old.signature)
+    alone = [step for step in new.signature[2] if step not in old.signature[2]]
+    if alone and (layers, gradients) == (had_layers, had_gradients):
+        return (f"the graph grew (training step {alone[0]} added, which trains one tower alone: it runs copies of that "
+                "tower's batch norms, unsynchronized, as python does)")
     return (f"the graph grew (a model or train op added; now {layers} batch-norm layer(s) with {gradients} gradient "
             f"op(s) synchronized, {had_layers} with {had_gradients} before)")
 
@@ -220,6 +241,7 @@ def make_shadow(count: int, result: Any, number: int = 0, options: LiveOptions |
     functions = {f.signature.name for f in result.graph_def.library.function}
     return Shadow(shadow_graph, count, removed, functions, number, options, first_step, config=config,
                   signature=_signature(result.report), sites=_sites(result.report), cpu_devices=result.report.cpu_devices,
+                  copies=result.report.copies,
                   meetings=meetings(result.graph_def, result.report, options.rewrite, options.start_timeout) if bounded
                   else None)
 

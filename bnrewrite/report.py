@@ -69,6 +69,7 @@ class Report:
     removed: list[dict[str, str]] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
     not_run: list[str] = field(default_factory=list)  # training batch norms no gradient step runs: not towers
+    copies: dict[str, dict[str, str]] = field(default_factory=dict)  # a one-tower step -> node -> its copy it runs
     passes: list[dict[str, object]] = field(default_factory=list)
     nodes_before: int = 0
     nodes_after: int = 0

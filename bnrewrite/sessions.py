@@ -219,6 +219,9 @@ def _patch(module: Any) -> None:
             shadow.refuse_missing(op.name for op in target_list)
             shadow.refuse_missing(t.op.name for t in fetch_list)
             shadow.refuse_missing((t.deref().op.name for t in feed_dict), fed=True)
+        copies = shadow.copies_for([*(op.name for op in target_list), *(t.op.name for t in fetch_list)])
+        if copies:
+            fetch_list = [_Copy(t, copies[t.op.name], shadow) if t.op.name in copies else t for t in fetch_list]
 
         def run(options: Any) -> Any:
             first = shadow.first_step
@@ -258,6 +261,18 @@ def _patch(module: Any) -> None:
     base._bnrewrite_patched = True
 
 
+class _Copy:
+    """A tensor the script fetches with a step that trains one tower alone, read from the copy of
+    its op that the step runs (Shadow.copies_for): what BaseSession._do_run asks of a fetch."""
+
+    def __init__(self, tensor: Any, copy: str, shadow: Shadow) -> None:
+        self.op, self.name = tensor.op, f"{copy}:{tensor.value_index}"
+        self._output = shadow.output(copy, tensor.value_index)
+
+    def _as_tf_output(self) -> Any:
+        return self._output
+
+
 class _Following:
     """A callable made by `Session._make_callable_from_options` (Keras' functions) that follows its
     session to a new shadow, bounded where it meets keyed all-reduces (bnrewrite.bounds): TensorFlow's
@@ -274,6 +289,11 @@ class _Following:
     def _made(self) -> tuple[Any, tuple[Shadow, frozenset[int], float] | None]:
         """TensorFlow's callable for the session's shadow now, and its bound (None: unbounded)."""
         options, shadow = self._options, getattr(self._session, "_bnrewrite_shadow", None)
+        copies = shadow.copies_for(name.split(":")[0] for name in (*options.target, *options.fetch)) if shadow else {}
+        if copies:  # a step training one tower alone: its fetches read the copies it runs
+            options = type(options)()
+            options.CopyFrom(self._options)
+            options.fetch[:] = [_copy_name(name, copies) for name in options.fetch]
         layers = _meets(shadow, list(options.target), list(options.fetch), list(options.feed),
                         options.run_options.SerializeToString())
         if not layers:
@@ -307,6 +327,11 @@ class _Following:
     def __del__(self) -> None:
         if getattr(self, "_callable", None) is not None:
             self._forget()
+
+
+def _copy_name(tensor: str, copies: dict[str, str]) -> str:
+    name, colon, index = tensor.partition(":")
+    return f"{copies[name]}{colon}{index}" if name in copies else tensor
 
 
 def _meets(shadow: Shadow | None, ops: list[str], fetches: list[str], fed: list[str], options: Any) -> frozenset[int]:

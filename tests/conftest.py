@@ -57,6 +57,7 @@ SLOW_TESTS = (
     "test_run.py::test_summary_threads_trainers",
     "test_run.py::test_ctrl_c",
     "test_one_device.py::test_run_leaves_one_device_programs",
+    "test_partial_steps.py::test_a_step_training_one_tower_trains_as_python",
     "test_silent.py::test_run_synchronizes",
     "test_keras_towers.py::test_keras_tower_trainers_train_like_one_device",
     "test_keras_towers.py::test_soft_placed_towers_and_a_later_template_fit_train_like_one_device",

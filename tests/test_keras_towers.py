@@ -141,13 +141,13 @@ def test_a_template_fitted_on_its_own_is_no_tower():
                for note in report.notes), report.notes
 
 
-def test_a_later_step_running_one_tower_of_an_all_reduce_is_refused_naming_it():
-    with pytest.raises(TowerMismatchError) as caught:
-        rewrite_graph(_keras_towers(later="tower_0").as_graph_def())
-    message = str(caught.value)
-    assert message.startswith("training step later_op runs batch norm tower_0/"), message
-    assert "but no batch norm of tower(s) /device:CPU:1, which step train_op trains with it" in message, message
-    assert "would wait forever in later_op" in message, message
+def test_a_later_step_running_one_tower_of_an_all_reduce_runs_copies_of_it():
+    """Issue 49, 2 i: refused before (its all-reduces would wait forever in it); it now runs copies of
+    tower 0's forward pass, as python does (tests/test_partial_steps.py trains it)."""
+    report = rewrite_graph(_keras_towers(later="tower_0").as_graph_def()).report
+    assert [[site.split("/", 1)[0] for site in row.sites] for row in report.layers] == [["tower_0", "tower_1"]]
+    assert list(report.copies) == ["later_op"] and not report.skipped
+    assert "bnrewrite_alone/tower_0/model/bn/FusedBatchNormV3" in report.not_run, report.not_run
 
 
 def test_without_gradients_every_training_batch_norm_counts():

@@ -116,3 +116,4 @@ class Census:
     skips: list[Skip]
     not_run: list[Skip] = field(default_factory=list)  # training sites no gradient step runs: not towers
     steps: dict[str, frozenset[str]] = field(default_factory=dict)  # training step -> the sites it runs
+    copies: dict[str, dict[str, str]] = field(default_factory=dict)  # step run on copies (step_copies): node -> copy

@@ -41,7 +41,7 @@ def not_run(graph: Graph, sites: list[Site]) -> list[Skip]:
     grads = {outer_node(g) for s in sites for g in (*s.grads, *s.variance_grads)}
     if not grads:
         return []
-    live = _upstream(graph, *graph.downstream(grads))
+    live = upstream(graph, *graph.downstream(grads))
     return [Skip(s.name, NOT_RUN) for s in sites if outer_node(s.name) not in live]
 
 
@@ -51,15 +51,19 @@ def steps(graph: Graph, sites: list[Site], callers: Mapping[str, str]) -> dict[s
     inside a flattened branch function counts as the If that calls it (`callers`: body prefix -> If;
     a gradient body's is the gradient If, whose outputs feed the optimizer, not the moving
     averages). Empty without such writes."""
-    grads = {_caller(g, callers) for s in sites for g in (*s.grads, *s.variance_grads)}
-    work = graph.downstream(grads)
+    work = graph.downstream(gradient_callers(sites, callers))
     ends = graph.downstream({name for name in work if writes(graph.node(name).op)})
     consumers = graph.consumers
     found = {}
     for end in sorted(name for name in ends if not consumers.get(name) and outer_node(name) == name):
-        above = _upstream(graph, end)
+        above = upstream(graph, end)
         found[end] = frozenset(s.name for s in sites if outer_node(s.name) in above)
     return found
+
+
+def gradient_callers(sites: list[Site], callers: Mapping[str, str]) -> set[str]:
+    """The nodes of the main graph that run the sites' gradients (a gradient If for those in branch bodies)."""
+    return {_caller(g, callers) for s in sites for g in (*s.grads, *s.variance_grads)}
 
 
 def _caller(name: str, callers: Mapping[str, str]) -> str:
@@ -71,7 +75,7 @@ def _caller(name: str, callers: Mapping[str, str]) -> str:
     return callers.get(name[:end] if end >= 0 else name, name[:start])
 
 
-def _upstream(graph: Graph, *ends: str) -> set[str]:
+def upstream(graph: Graph, *ends: str) -> set[str]:
     """`ends` and every node they read, transitively (data or control edges)."""
     above, stack = set(ends), list(ends)
     while stack:
@@ -83,6 +87,27 @@ def _upstream(graph: Graph, *ends: str) -> set[str]:
     return above
 
 
+def _main_step(tower: Mapping[str, str], runs: Mapping[str, frozenset[str]]) -> tuple[dict[str, frozenset[str]], str]:
+    """Each step -> the sites of `tower` it runs (steps running none left out), and the step that runs
+    most towers: "" when none runs several (separate models, each its own step: no all-reduce to guard)."""
+    runs = {step: sites & tower.keys() for step, sites in runs.items()}
+    runs = {step: sites for step, sites in runs.items() if sites}
+    main = max(runs, key=lambda step: len({tower[s] for s in runs[step]}), default="")
+    return runs, main if main and len({tower[s] for s in runs[main]}) >= 2 else ""
+
+
+def one_tower_steps(tower: Mapping[str, str], runs: Mapping[str, frozenset[str]]) -> dict[str, frozenset[str]]:
+    """The steps that share sites with the main step (the one running most towers) but run the sites
+    of one of its towers only (a fine-tuning op on tower 0 after the multi-tower train op): python
+    trains one device there, which bnrewrite.step_copies gives a forward pass of its own.
+    `tower`: site -> its tower (the sites to consider); `runs`: step -> the sites it runs."""
+    runs, main = _main_step(tower, runs)
+    if not main:
+        return {}
+    return {step: sites for step, sites in runs.items()
+            if not sites.isdisjoint(runs[main]) and len({tower[s] for s in sites}) == 1}
+
+
 def trained_alone(tower: Mapping[str, str], runs: Mapping[str, frozenset[str]]) -> tuple[list[Skip], str]:
     """The sites that only steps sharing no site with the main step (the one running most towers)
     run: such a step trains one device (Keras' template model fitted on its own after the
@@ -90,14 +115,10 @@ def trained_alone(tower: Mapping[str, str], runs: Mapping[str, frozenset[str]]) 
     synchronized ("" if it can): a step sharing sites with the main step that runs no site of some
     of its towers.
     `tower`: site -> its tower (the sites to consider); `runs`: step -> the sites it runs."""
-    runs = {step: sites & tower.keys() for step, sites in runs.items()}
-    runs = {step: sites for step, sites in runs.items() if sites}
-    if not runs:
+    runs, main = _main_step(tower, runs)
+    if not main:
         return [], ""
-    main = max(runs, key=lambda step: len({tower[s] for s in runs[step]}))
     every = {tower[s] for s in runs[main]}
-    if len(every) < 2:  # no step trains several towers (separate models, each its own step): no all-reduce to guard
-        return [], ""
     apart = {step: sites for step, sites in runs.items() if sites.isdisjoint(runs[main])}
     for step, sites in runs.items():
         lacks = every - {tower[s] for s in sites}

@@ -15,6 +15,7 @@ gradient reaching only one statistic: a `Skip`).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,9 +86,11 @@ def _attr(node: object, key: str, default: object) -> object:
     return result.decode() if isinstance(result, bytes) else result
 
 
-def scan(graph: Graph) -> Census:
+def scan(graph: Graph, aliases: Mapping[str, Mapping[str, str]] | None = None) -> Census:
+    """Every batch-norm op of `graph`. `aliases`: a gradient node -> the copies its step runs
+    (bnrewrite.step_copies): the Mean its scope names is that Mean's copy."""
     census = Census([], [], [], [])
-    mean_gradients = _mean_gradients(graph)
+    mean_gradients = _mean_gradients(graph, aliases or {})
     for node in graph:
         if MARK in node.attr:
             census.rewritten.append(node.name)
@@ -177,7 +180,7 @@ class _MeanGradients:
     scopes: dict[str, set[str]]
 
 
-def _mean_gradients(graph: Graph) -> _MeanGradients:
+def _mean_gradients(graph: Graph, aliases: Mapping[str, Mapping[str, str]]) -> _MeanGradients:
     """TensorFlow names the gradient of op X `.../gradients[_N]/X_grad/...`. The gradient of a
     Mean takes the incoming gradient in with a Reshape (then a Tile, or with an unknown input
     shape a BroadcastTo), or, when nothing needs reshaping (tf.nn.moments, which keeps dims, on
@@ -191,6 +194,7 @@ def _mean_gradients(graph: Graph) -> _MeanGradients:
         for i, part in enumerate(parts[:-1]):
             if _GRADIENTS_SCOPE.match(part):
                 forward = "/".join(parts[i + 1:])[: -len("_grad")]
+                forward = aliases.get(name, {}).get(forward, forward)
                 break
         else:
             continue

@@ -30,21 +30,22 @@ import towers_model as tm  # noqa: E402
 SPEC = tm.Spec(towers=4, batch=4)  # the global job: 2 workers x 2 towers x 4 examples
 
 
-def launch(out: str, tasks: dict[int, list[str]], delays: dict[int, float] | None = None,
-           deadline: float = 150.0) -> dict[int, subprocess.CompletedProcess]:
-    """Start this script for each task of `tasks` (task -> bnrewrite run's options, e.g.
-    ["--workers", "2", "--task-index", "0", "--timeout", "5"]) after its delay, on fresh loopback
-    ports; wait at most `deadline` s, kill what is left by its own id. Exit codes, output, seconds."""
+def launch(out: str, tasks: dict[int, list[str] | None], delays: dict[int, float] | None = None,
+           deadline: float = 150.0, script: str = __file__) -> dict[int, subprocess.CompletedProcess]:
+    """Start `script` (this one; it takes --task I --hosts JSON --out DIR) for each task of `tasks`
+    (task -> bnrewrite run's options, e.g. ["--workers", "2", "--task-index", "0", "--timeout", "5"];
+    None: under plain python) after its delay, on fresh loopback ports; wait at most `deadline` s,
+    kill what is left by its own id. Exit codes, output, seconds."""
     hosts = json.dumps([f"127.0.0.1:{port}" for port in mw.free_ports(2)])
     env = dict(os.environ, PYTHONPATH=ROOT)
     started, start = {}, time.monotonic()
     try:
         for task, options in sorted(tasks.items(), key=lambda item: (delays or {}).get(item[0], 0.0)):
             time.sleep(max(0.0, start + (delays or {}).get(task, 0.0) - time.monotonic()))
+            head = [sys.executable] if options is None else [sys.executable, "-m", "bnrewrite", "run", *options]
             started[task] = (subprocess.Popen(
-                [sys.executable, "-m", "bnrewrite", "run", *options, os.path.abspath(__file__), "--task", str(task),
-                 "--hosts", hosts, "--out", out], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-                time.monotonic())
+                [*head, os.path.abspath(script), "--task", str(task), "--hosts", hosts, "--out", out], env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), time.monotonic())
         done = {}
         for task, (process, began) in started.items():
             try:
