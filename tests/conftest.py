@@ -87,21 +87,22 @@ FAST_ORACLE = frozenset({
 })
 
 
-#: The costliest tests and files first, in this order (CPU-seconds: docs/performance-history.md): xdist
-#: hands its work out in collection order, so the long ones start at once and the short ones fill in.
+#: The costliest tests and files first, in this order (CPU-seconds: docs/performance-history.md):
+#: xdist hands its work out in collection order, so the long ones start at once and the short
+#: ones fill in. A SPREAD module's tests sharing a module fixture stay next to each other.
 FIRST = (
     "test_keras_towers.py::test_keras_tower_trainers_train_like_one_device",
-    "test_keras_towers.py::test_the_keras_example",
-    "test_keras_towers.py::test_soft_placed_towers",
     "test_keras_towers.py::test_keras_workflows_after_the_first_fit",
     "test_keras_towers.py::test_mobilenet_v2_per_tower",
+    "test_keras_towers.py::test_soft_placed_towers",
+    "test_keras_towers.py::test_the_keras_example",
     "test_ps_cluster.py::test_a_ps_cluster_trains_like",
     "test_ps_cluster.py::test_a_ps_cluster_trains_120_steps",
     "test_fuzz.py::", "test_run.py::", "test_multi_worker.py::", "test_replicated.py::", "test_applications.py::",
 )
-#: Modules whose tests share nothing costly (no module-scoped fixture, no cached run): xdist may
-#: give their tests to either worker. Every other module's tests go to one worker together
-#: (`--dist loadgroup`), so that its fixtures and caches are built once.
+#: Modules whose tests share nothing costly but what they group themselves (pytest.mark.xdist_group):
+#: xdist may give their other tests to either worker. Every other module's tests go to one worker
+#: together (`--dist loadgroup`), so that its fixtures and caches are built once.
 SPREAD = frozenset({"test_keras_towers.py", "test_ps_cluster.py"})
 
 
