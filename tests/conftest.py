@@ -97,7 +97,6 @@ FIRST = (
     "test_keras_towers.py::test_soft_placed_towers",
     "test_keras_towers.py::test_the_keras_example",
     "test_ps_cluster.py::test_a_ps_cluster_trains_like",
-    "test_ps_cluster.py::test_a_ps_cluster_trains_120_steps",
     "test_fuzz.py::", "test_run.py::", "test_multi_worker.py::", "test_replicated.py::", "test_applications.py::",
 )
 #: Modules whose tests share nothing costly but what they group themselves (pytest.mark.xdist_group):

@@ -282,10 +282,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def reference(towers: int, scale: float, plain: bool = False) -> dict[str, np.ndarray]:
+def reference(towers: int, scale: float, plain: bool = False, steps: int = 2) -> dict[str, np.ndarray]:
     """`--job reference` in this process (in a graph of its own): what a test compares a cluster with,
     without a TensorFlow import of its own."""
-    args = parse(["--job", "reference", "--towers", str(towers), "--scale", repr(scale), *(["--plain"] if plain else [])])
+    args = parse(["--job", "reference", "--towers", str(towers), "--scale", repr(scale), "--steps", str(steps),
+                  *(["--plain"] if plain else [])])
     with tf.Graph().as_default():
         return run_reference(args)
 
