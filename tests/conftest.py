@@ -87,7 +87,7 @@ FAST_ORACLE = frozenset({
 })
 
 
-#: The costliest tests and files first, in this order (CPU-seconds: docs/performance-history.md):
+#: The costliest tests and files first, in this order (CPU-seconds: docs/performance.md):
 #: xdist hands its work out in collection order, so the long ones start at once and the short
 #: ones fill in. A SPREAD module's tests sharing a module fixture stay next to each other.
 FIRST = (
@@ -116,6 +116,7 @@ def _name(item: pytest.Item) -> str:
     return f"{item.path.name}::{item.nodeid.split('::', 1)[1]}"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """Mark the slow tests (registered in setup.cfg), so `-m "not slow"` runs the rest; group each
     module's tests but SPREAD's on one xdist worker; put the costliest first (a module's tests stay

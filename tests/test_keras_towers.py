@@ -33,7 +33,7 @@ HUNG = ("multi_gpu_soft", "learning_phase_soft", "multi_gpu_then_template")
 #: The module's script cases, trained by one `bnrewrite run` and one reference process (one
 #: TensorFlow import each), each case in a graph of its own; the tests judge their own.
 CASES = (*SMALL, *WORKFLOWS, *HUNG, "mobilenet")
-SHARED = pytest.mark.xdist_group("test_keras_towers.py::trained")
+SHARED = pytest.mark.xdist_group("keras_towers_cases")
 tf1 = tf.compat.v1
 
 
