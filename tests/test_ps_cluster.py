@@ -3,7 +3,7 @@
 Each worker runs tests/scripts/ps_cluster.py unmodified, under `bnrewrite run --workers 2
 --task-index I`; the ps under plain python. Both of the script's layouts (every variable on
 the ps under SyncReplicasOptimizer; per-worker copies with ps shadows) must train like one
-process fed both workers' examples (trained in the test's own process, once per session), even
+process fed both workers' examples (trained in the test's own process, once per process), even
 with worker 1 started late, the cluster without bnrewrite must not, a long run must
 finish (collectives across workers crashed these clusters within a few dozen steps), and a
 worker left alone must fail with DeadlineExceededError within its --timeout.
@@ -31,7 +31,7 @@ from ps_cluster import launch, reference  # noqa: E402
 
 @functools.cache
 def _reference(towers: int, scale: float, plain: bool = False, steps: int = 2) -> dict[str, np.ndarray]:
-    """The script's one-process reference, trained here once per session (no process, no TensorFlow import)."""
+    """The script's one-process reference, trained here once per test process (no process, no TensorFlow import)."""
     return reference(towers, scale, plain, steps)
 
 

@@ -21,6 +21,7 @@ worker's one tower, not as towers of their own.
 examples; `--scale` multiplies its images (the noise floor of a comparison).
 
 `launch` starts such a cluster on localhost (tests/test_ps_cluster.py, tools/ps_reliability.py).
+`reference` trains the reference in the caller's process (no TensorFlow import of its own).
 
 Usage: ps_cluster.py --job ps|worker|reference --task I --hosts JSON --layout ps|replicated
        [--towers K | --plain] [--workers N] [--batch B] [--steps S] [--out DIR] [--scale F]
