@@ -66,7 +66,6 @@ SLOW_TESTS = (
     "test_applications.py::test_towers_applying_networks_twice_train_like_one_device",
     "test_applications.py::test_towers_keeping_one_applications_statistics",
     "test_ps_cluster.py::test_a_",
-    "test_ps_cluster.py::test_ps_workers_started_apart",
     "test_keras_towers.py::test_mobilenet_v2_per_tower_trains_like_one_device",
     "test_keras_towers.py::test_the_keras_example",
     *(f"test_stepcheck.py::test_every_form_verifies_in_process[{form}]" for form in (
@@ -89,12 +88,46 @@ FAST_ORACLE = frozenset({
 })
 
 
+#: The costliest tests and files first, in this order (CPU-seconds: docs/performance.md):
+#: xdist hands its work out in collection order, so the long ones start at once and the short
+#: ones fill in. A SPREAD module's tests sharing a module fixture stay next to each other.
+FIRST = (
+    "test_keras_towers.py::test_keras_tower_trainers_train_like_one_device",
+    "test_keras_towers.py::test_keras_workflows_after_the_first_fit",
+    "test_keras_towers.py::test_mobilenet_v2_per_tower",
+    "test_keras_towers.py::test_soft_placed_towers",
+    "test_keras_towers.py::test_the_keras_example",
+    "test_ps_cluster.py::test_a_ps_cluster_trains_like",
+    "test_fuzz.py::", "test_run.py::", "test_multi_worker.py::", "test_replicated.py::", "test_applications.py::",
+)
+#: Modules whose tests share nothing costly but what they group themselves (pytest.mark.xdist_group):
+#: xdist may give their other tests to either worker. Every other module's tests go to one worker
+#: together (`--dist loadgroup`), so that its fixtures and caches are built once.
+SPREAD = frozenset({"test_keras_towers.py", "test_ps_cluster.py"})
+
+
+def _rank(name: str, module: str) -> int:
+    """Where `name` (module::test) starts: its place in FIRST, else after all of them."""
+    key = name if module in SPREAD else f"{module}::"
+    return next((i for i, prefix in enumerate(FIRST) if key.startswith(prefix)), len(FIRST))
+
+
+def _name(item: pytest.Item) -> str:
+    """module::test[id] (ids may hold slashes: the path is cut at the first "::")."""
+    return f"{item.path.name}::{item.nodeid.split('::', 1)[1]}"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Mark the slow tests (registered in setup.cfg), so `-m "not slow"` runs the rest."""
+    """Mark the slow tests (registered in setup.cfg), so `-m "not slow"` runs the rest; group each
+    module's tests but SPREAD's on one xdist worker; put the costliest first (a module's tests stay
+    together: the sort is stable and ranks a grouped module as a whole)."""
     for item in items:
-        name = item.nodeid.rsplit("/", 1)[-1]
-        module = name.split("::", 1)[0]
+        name, module = _name(item), item.path.name
+        if module not in SPREAD:
+            item.add_marker(pytest.mark.xdist_group(module))
         if name in FAST_ORACLE:
             continue
         if module in SLOW_MODULES or name.startswith(SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: _rank(_name(item), item.path.name))

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
+from oracle_cli import CASE  # noqa: E402
 #: Below these a difference is rounding whatever the floor (float32: tens of ulps; float16: ten ulps).
 ROUNDING = {"float16": 1e-2}
 
@@ -55,6 +57,18 @@ def judge(case: str, directory: str, racing: Callable[[str], bool] = lambda key:
     assert total["synced"] <= 2 * bound and total["apart"] >= 5 * bound, (case, total)
     return (f"{case}: {max(synced.values()):.1e} from one device (noise floor {max(floor.values()):.1e}), "
             f"towers as built {max(apart.values()):.2g}")
+
+
+def lines_by_case(err: str) -> dict[str, list[str]]:
+    """A script's `bnrewrite:` lines on stderr, per case (its cases run one after another in one process)."""
+    out, case = {}, None
+    for line in err.splitlines():
+        if line.startswith(CASE):
+            case = line[len(CASE):]
+            out[case] = []
+        elif line.startswith("bnrewrite:") and case is not None:
+            out[case].append(line)
+    return out
 
 
 def run_both(script: str, directory, cases: tuple[str, ...], run_options: tuple[str, ...] = ()) -> str:

@@ -21,46 +21,68 @@ import tensorflow as tf
 
 from bnrewrite import TowerMismatchError, rewrite_graph
 from bnrewrite.cli import main
-from script_oracle import ROOT, judge, run_both
+from script_oracle import ROOT, judge, lines_by_case, run_both
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "keras_towers.py")
 SMALL = ("functional", "learning_phase", "cond_v1", "set_learning_phase", "update_ops", "sequential", "unfused",
          "unfused_any_batch", "renorm", "float16", "multi_gpu", "mirrored_fit", "mirrored_fit_unfused")
+WORKFLOWS = ("multi_gpu_refit", "mirrored_shared")
+#: Issue 49's hangs: towers on /gpu:i that soft placement runs on one CPU (batch norm under the
+#: learning-phase cond v2), and the template model fitted on its own after the multi-tower fit.
+HUNG = ("multi_gpu_soft", "learning_phase_soft", "multi_gpu_then_template")
+#: The module's script cases, trained by one `bnrewrite run` and one reference process (one
+#: TensorFlow import each), each case in a graph of its own; the tests judge their own.
+CASES = (*SMALL, *WORKFLOWS, *HUNG, "mobilenet")
+SHARED = pytest.mark.xdist_group("keras_towers_cases")
 tf1 = tf.compat.v1
 
 
-def test_keras_tower_trainers_train_like_one_device(tmp_path):
-    err = run_both(SCRIPT, tmp_path, SMALL)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[str, dict[str, list[str]]]:
+    """Where CASES' runs are, and each case's `bnrewrite:` lines (none of them an error or a warning)."""
+    directory = tmp_path_factory.mktemp("keras_towers")
+    err = run_both(SCRIPT, directory, CASES)
+    every = [line for line in err.splitlines() if line.startswith("bnrewrite:")]
+    assert not any("error" in line or "warning" in line for line in every), every
+    lines = lines_by_case(err)
+    assert list(lines) == list(CASES), list(lines)
+    return str(directory), lines
+
+
+def _synced(lines: list[str], towers: str = "") -> list[str]:
+    return [line for line in lines if f"2 batch-norm layer(s) synchronized across 2 towers ({towers}" in line]
+
+
+@SHARED
+def test_keras_tower_trainers_train_like_one_device(trained):
+    directory, lines = trained
     for case in SMALL:
-        print(judge(case, str(tmp_path)))
-    lines = [line for line in err.splitlines() if line.startswith("bnrewrite:")]
-    synced = [line for line in lines if "2 batch-norm layer(s) synchronized across 2 towers (" in line and "CPU:1" in line]
-    assert len(synced) == len(SMALL), lines
-    assert any("moves to the synchronized graph with the values of its" in line for line in lines), lines
-    assert not any("error" in line or "warning" in line for line in lines), lines
+        print(judge(case, directory))
+        assert len([line for line in _synced(lines[case]) if "CPU:1" in line]) == 1, (case, lines[case])
+    assert any("moves to the synchronized graph with the values of its" in line for case in SMALL
+               for line in lines[case]), lines
 
 
-def test_keras_workflows_after_the_first_fit_train_like_one_device(tmp_path):
+@SHARED
+def test_keras_workflows_after_the_first_fit_train_like_one_device(trained):
     """compile, fit, compile again with a new optimizer, fit (it stopped with TensorFlow's "PruneForTargets:
     Some target nodes not found: training_3/group_deps": the second gradient of each learning-phase
     cond went unpaired, so the new train op read an update the rewrite had removed); and fit under
     MirroredStrategy of a model whose encoder each replica applies twice (refused before: "neither
     their names nor their structure tell")."""
-    cases = ("multi_gpu_refit", "mirrored_shared")
-    err = run_both(SCRIPT, tmp_path, cases)
-    for case in cases:  # the shared encoder's statistics take two updates per step, in an order the program leaves open
-        print(judge(case, str(tmp_path), lambda key: case == "mirrored_shared" and key.startswith("bn1/moving_")))
-    lines = [line for line in err.splitlines() if line.startswith("bnrewrite:")]
-    synced = [line for line in lines if "2 batch-norm layer(s) synchronized across 2 towers (" in line]
-    assert len(synced) == 3, lines  # the refit's graph twice (its second train op), the shared encoder's once
-    assert "bn1 (2: encoder_2/bn1, encoder_3/bn1; told apart by the order of their scopes' numbers)" in synced[2], lines
-    assert not any("error" in line or "warning" in line for line in lines), lines
+    directory, lines = trained
+    for case in WORKFLOWS:  # the shared encoder's statistics take two updates per step, in an order the program leaves open
+        print(judge(case, directory, lambda key: case == "mirrored_shared" and key.startswith("bn1/moving_")))
+    assert len(_synced(lines["multi_gpu_refit"])) == 2, lines  # the refit's graph twice (its second train op)
+    [shared] = _synced(lines["mirrored_shared"])
+    assert "bn1 (2: encoder_2/bn1, encoder_3/bn1; told apart by the order of their scopes' numbers)" in shared, lines
 
 
-def test_mobilenet_v2_per_tower_trains_like_one_device(tmp_path):
-    err = run_both(SCRIPT, tmp_path, ("mobilenet",))
-    print(judge("mobilenet", str(tmp_path)))
-    assert any("52 batch-norm layer(s) synchronized across 2 towers" in line for line in err.splitlines()), err[-2000:]
+@SHARED
+def test_mobilenet_v2_per_tower_trains_like_one_device(trained):
+    directory, lines = trained
+    print(judge("mobilenet", directory))
+    assert any("52 batch-norm layer(s) synchronized across 2 towers" in line for line in lines["mobilenet"]), lines
 
 
 def _keras_towers(trained: tuple[int, ...] = (0, 1), later: str = "", learning_phase: bool = False,
@@ -220,23 +242,18 @@ def test_verify_says_a_fit_step_through_a_callable_is_not_checked(capsys):
     assert synced and synced[-1]["verify"]["passed"] is None
 
 
-#: Issue 49's hangs: towers on /gpu:i that soft placement runs on one CPU (batch norm under the
-#: learning-phase cond v2), and the template model fitted on its own after the multi-tower fit.
-HUNG = ("multi_gpu_soft", "learning_phase_soft", "multi_gpu_then_template")
-
-
-def test_soft_placed_towers_and_a_later_template_fit_train_like_one_device(tmp_path):
+@SHARED
+def test_soft_placed_towers_and_a_later_template_fit_train_like_one_device(trained):
     """Each hung forever before (the collective backend with both members on one device; an
     all-reduce spanning the template's own call, which the template's step runs alone)."""
-    err = run_both(SCRIPT, tmp_path, HUNG)
+    directory, lines = trained
     for case in HUNG:
-        print(judge(case, str(tmp_path)))
-    lines = [line for line in err.splitlines() if line.startswith("bnrewrite:")]
-    soft = [line for line in lines if "synchronized across 2 towers (/device:GPU:0, /device:GPU:1" in line]
-    assert len(soft) == 2 and all("backend collective" in line and "all run on /device:CPU:0" in line
-                                  and "meet on /device:CPU:0..1" in line for line in soft), lines
-    assert sum("synchronized across 2 towers (/device:CPU:0, /device:CPU:1" in line for line in lines) == 1, lines
-    assert not any("error" in line or "warning" in line for line in lines), lines
+        print(judge(case, directory))
+    soft = [_synced(lines[case], "/device:GPU:0, /device:GPU:1") for case in HUNG]
+    assert [len(found) for found in soft] == [1, 1, 0] and all(
+        "backend collective" in line and "all run on /device:CPU:0" in line and "meet on /device:CPU:0..1" in line
+        for found in soft for line in found), lines
+    assert [len(_synced(lines[case], "/device:CPU:0, /device:CPU:1")) for case in HUNG] == [0, 0, 1], lines
 
 
 def _evaluate_around_fit(towers: int) -> tuple[float, float, np.ndarray]:

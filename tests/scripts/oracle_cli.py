@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 Train = Callable[..., dict[str, np.ndarray]]  # train(case, towers, batch, perturb=0.0)
+#: The stderr line that starts each case's output (tests/script_oracle.py's lines_by_case).
+CASE = "oracle_cli: case "
 
 
 def main(cases: Sequence[str], train: Train) -> None:
@@ -26,6 +29,7 @@ def main(cases: Sequence[str], train: Train) -> None:
     args = parser.parse_args()
     tf.compat.v1.disable_eager_execution()
     for case in args.cases:
+        print(f"{CASE}{case}", file=sys.stderr, flush=True)  # what follows on stderr is this case's
         if not args.reference:
             np.savez(os.path.join(args.out, f"{case}.npz"), **train(case, args.towers, args.batch))
             continue

@@ -21,6 +21,7 @@ worker's one tower, not as towers of their own.
 examples; `--scale` multiplies its images (the noise floor of a comparison).
 
 `launch` starts such a cluster on localhost (tests/test_ps_cluster.py, tools/ps_reliability.py).
+`reference` trains the reference in the caller's process (no TensorFlow import of its own).
 
 Usage: ps_cluster.py --job ps|worker|reference --task I --hosts JSON --layout ps|replicated
        [--towers K | --plain] [--workers N] [--batch B] [--steps S] [--out DIR] [--scale F]
@@ -263,7 +264,7 @@ def launch(out: str, layout: str, steps: int, synced: bool, towers: int = 1, tas
             process.wait()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--job", choices=["ps", "worker", "reference"], required=True)
     parser.add_argument("--task", type=int, default=0)
@@ -279,6 +280,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.plain and args.towers != 1:
         parser.error("--plain builds one tower")
+    return args
+
+
+def reference(towers: int, scale: float, plain: bool = False, steps: int = 2) -> dict[str, np.ndarray]:
+    """`--job reference` in this process (in a graph of its own): what a test compares a cluster with,
+    without a TensorFlow import of its own."""
+    args = parse(["--job", "reference", "--towers", str(towers), "--scale", repr(scale), "--steps", str(steps),
+                  *(["--plain"] if plain else [])])
+    with tf.Graph().as_default():
+        return run_reference(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     tf1.disable_eager_execution()
     if args.job == "reference":
         np.savez(os.path.join(args.out, f"reference_{args.scale}.npz"), **run_reference(args))
