@@ -237,15 +237,15 @@ def _op_version_matches_one_device(op: str, path: str, batch: str) -> None:
     result = rewrite_graph(graph, backend="collective")
     fetches = [f"tower_{i}/{n}:0" for i in range(k) for n in names]
     got = _run(result.graph_def, k, _split_feeds(k, x, r), fetches)
-    payload = {n.name: len(n.input) - 1 for n in result.graph_def.node if n.op == "ConcatV2" and n.name.endswith("sync_bn_grad/sums")}
+    payload = {n.name: len(n.input) - (n.op == "ConcatV2") for n in result.graph_def.node
+               if n.op in ("ConcatV2", "Pack") and n.name.endswith("sync_bn_grad/sums")}
     counted = batch == "unknown" and op != "FusedBatchNormV3"
     assert set(payload.values()) == ({3} if counted else {2}), payload  # [n,] sum dy, sum dy*xc
     forward = {len(n.input) - 1 for n in result.graph_def.node if n.op == "ConcatV2" and n.name.endswith("sync_bn/moments")}
     assert forward == ({3} if batch == "unknown" else {2}), forward  # [n,] sum, sum of squares
-    # The forward kernels serve every op version; the backward's need V3's count.
+    # The kernels serve every op version, forward and backward.
     kernels = k if path == "kernels" and batch == "static" else 0
-    assert (len(kernel_moments(result.graph_def)), len(kernel_gradients(result.graph_def))) == (
-        kernels, kernels if op == "FusedBatchNormV3" else 0)
+    assert (len(kernel_moments(result.graph_def)), len(kernel_gradients(result.graph_def))) == (kernels, kernels)
     unsynced = _run(graph, k, _split_feeds(k, x, r), fetches)
 
     def dx_error(values: list) -> float:

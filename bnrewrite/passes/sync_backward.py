@@ -48,7 +48,7 @@ def _rewrite_grads(site: Site, ctx: SiteContext) -> None:
 def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     node = ctx.graph.node(grad)
     counted = _forward_count(ctx.graph, grad, site)
-    if counted is not None and kernel_sized(ctx.graph, site, node.input[1]):
+    if kernel_sized(ctx.graph, site, ctx.graph.node(site.name).input[0]):  # as sync_forward chose
         _rewrite_grad_with_kernels(grad, site, ctx, phase, counted)
         return
     dy, x, scale, saved_mean, saved_rstd = node.input[:5]
@@ -109,38 +109,36 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     _replace(grad, b, dx, dscale, b.cast("doffset_stat", sum_dy, F, U), controls, site, ctx)
 
 
-def _rewrite_grad_with_kernels(grad: str, site: Site, ctx: SiteContext, phase: int, counted: str) -> None:
-    """The kernel path (module docstring): channels last, FusedBatchNormGradV3 in inference
-    mode, which takes no means off (that is the correction's work) and so costs one pass."""
+def _rewrite_grad_with_kernels(grad: str, site: Site, ctx: SiteContext, phase: int, counted: str | None) -> None:
+    """The kernel path (module docstring): channels last, an inference-mode FusedBatchNormGradV3
+    for gain * dy and the local [sum dy * x_hat, sum dy], one all-reduce, and an inference-mode
+    FusedBatchNormV3 for the correction -gain * (x_hat * mean(dy * x_hat) + mean(dy))."""
     node = ctx.graph.node(grad)
-    dy, x, scale, mean, rstd = node.input[:5]
+    dy, x, scale, mean, variance = node.input[:5]  # sync_forward left the variance in reserve_space_2
     controls = [i for i in node.input if i.startswith("^")]
     b = ctx.builder(grad, "sync_bn_grad", ctx.graph.node(site.name).device)
-    eps = b.const("epsilon", site.epsilon, np.float32)
-    variance = b.binary("Sub", "variance", b.unary("Reciprocal", "variance_eps", b.unary("Square", "rstd_sq", rstd, F), F), eps, F)
     attrs = {"epsilon": site.epsilon, "data_format": "NHWC", "T": DType(site.dtype), "U": DType(F)}
-    empty = b.const("empty_float", np.zeros([0], np.float32), np.float32)
+    empty = b.const("empty", np.zeros([0], np.float32), np.float32)
     local = b.node("FusedBatchNormGradV3", "local", [dy, x, scale, mean, variance, empty], is_training=False, **attrs)
     sum_dy_xhat, sum_dy = f"{local}:1", f"{local}:2"
-    reduce_name = all_reduce(b, "all_reduce", b.concat("sums", [sum_dy, sum_dy_xhat], F),
-                             F, ctx.plan.collective(ctx.layer, phase, ctx.tower))
-    ctx.record.collectives.append(reduce_name)
-    gsum_dy, gsum_dy_xhat = b.split_pairs("global", reduce_name, F)
-    minus_gain = b.unary("Neg", "minus_gain", b.binary("Mul", "gain", scale, rstd, F), F)
-
+    collective = ctx.plan.collective(ctx.layer, phase, ctx.tower)
     static = _static_total(ctx, phase)
-    inverse = b.const("reciprocal_total", 1.0 / static, np.float32) if static is not None else ""
-
-    def correction_factor(name: str, global_sum: str) -> str:
-        """-gain * the global mean that dx takes off."""
-        mean = (b.binary("Mul", f"{name}/global_mean", global_sum, inverse, F) if inverse
-                else b.binary("DivNoNan", f"{name}/global_mean", global_sum, counted, F))
-        return b.binary("Mul", name, minus_gain, mean, F)
-
-    correction = b.node("FusedBatchNormV3", "correction", [
-        x, correction_factor("correction_scale", gsum_dy_xhat), correction_factor("correction_offset", gsum_dy),
-        mean, variance,
-    ], exponential_avg_factor=1.0, is_training=False, **attrs)
+    if static is not None or counted is not None:
+        sums = reduced = all_reduce(b, "all_reduce", b.node("Pack", "sums", [sum_dy_xhat, sum_dy], T=DType(F), N=2, axis=0), F, collective)
+        per_example = (b.const("minus_reciprocal_total", -1.0 / static, np.float32) if static is not None
+                       else b.unary("Neg", "minus_reciprocal_total", b.unary("Reciprocal", "reciprocal_total", counted, F), F))
+    else:  # the all-reduce carries the counts
+        packed = b.concat("sums", [b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, F), sum_dy_xhat, sum_dy], F)
+        reduced = all_reduce(b, "all_reduce", packed, F, collective)
+        total, pair = b.split_count("global", reduced, F)
+        sums = b.node("Pack", "global_sums", pair, T=DType(F), N=2, axis=0)
+        per_example = b.unary("Neg", "minus_reciprocal_total", b.unary("Reciprocal", "reciprocal_total", total, F), F)
+    ctx.record.collectives.append(reduced)
+    rstd = b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", variance, b.const("epsilon", site.epsilon, np.float32), F), F)
+    factor = b.binary("Mul", "minus_gain_per_example", b.binary("Mul", "gain", scale, rstd, F), per_example, F)
+    corrections = b.node("Unpack", "corrections", [b.binary("Mul", "scaled_sums", sums, factor, F)], T=DType(F), num=2, axis=0)
+    correction = b.node("FusedBatchNormV3", "correction", [x, corrections, f"{corrections}:1", mean, variance],
+                        exponential_avg_factor=1.0, is_training=False, **attrs)
     dx = b.binary("AddV2", "dx", local, correction, site.dtype)
     _replace(grad, b, dx, sum_dy_xhat, sum_dy, controls, site, ctx)
 

@@ -48,15 +48,16 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     T, U = site.dtype, site.stat_dtype
     small, deviations = passes_sized(ctx.graph, site, x), ""
     count, total = static_counts(ctx, 0, lambda copy: ctx.graph.node(copy.name).input[:2])
-    if kernel_sized(ctx.graph, site, x):
+    kernels = kernel_sized(ctx.graph, site, x)
+    if kernels:
         local = _kernel_moments(b, x, scale, offset, site, count)
     else:
         local, _, deviations = centred_moments(b, x, T, site.reduce_axes, site.channel_shape, keep_deviations=small, count=count)
     moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower), total)
     mean, var = moments.mean, moments.variance
     eps = b.const("epsilon", site.epsilon, np.float32)
-    rstd = b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", var, eps, F), F)
-
+    # reserve_space_2 holds what the gradient reads: the variance on the kernel path, else 1/std
+    spread = var if kernels else b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", var, eps, F), F)
     norm_attrs: dict[str, object] = {
         "epsilon": site.epsilon, "data_format": site.data_format, "is_training": False,
         "exponential_avg_factor": 1.0, "T": DType(T),
@@ -65,27 +66,24 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
         norm_attrs["U"] = DType(U)
     batch_mean = _blend(b, "batch_mean", mean, mean_in, site)
     batch_var = _blend(b, "batch_variance", moments.variance_unbiased, var_in, site)
-    statistics = [b.cast(f"out_{i}", t, F, U) for i, t in enumerate((batch_mean, batch_var, mean, rstd))]
+    statistics = [b.cast(f"out_{i}", t, F, U) for i, t in enumerate((batch_mean, batch_var, mean, spread))]
     if site.op == "FusedBatchNormV3":  # reserve_space_3: the global count, so gradients need not count again
-        statistics.append(b.cast("count_u", b.cast("count_float", moments.count, DT_DOUBLE, F), F, U))
-    if site.avg_factor == 1.0 and not in_body(site.name) and not small:
-        # The op stays, in inference mode, fed the global mean and Bessel-corrected variance
-        # (its outputs 1 and 2 pass them on, as the training op gave them) and a scale that
-        # makes up for the latter.
-        fed_var = moments.variance_unbiased
-        std_fed = b.unary("Sqrt", "std_fed", b.binary("AddV2", "variance_fed_eps", fed_var, eps, F), F)
-        scale_fed = b.binary("Mul", "scale_fed", b.cast("scale_f", scale, U, F), b.binary("Mul", "std_ratio", rstd, std_fed, F), F)
-        inputs = [x, b.cast("scale_u", scale_fed, F, U), offset, b.cast("mean_u", mean, F, U), b.cast("variance_u", fed_var, F, U)]
-        editor.replace(_marked(site.op, site.name, inputs + controls, node.device, key, norm_attrs))
-        _move_statistics(ctx, site.name, statistics + controls, U)
-    elif small:
+        statistics.append(b.const("empty", np.zeros([0], np.float32), np.float32) if total is not None and U == F
+                          else b.cast("count_u", b.cast("count_float", moments.count, DT_DOUBLE, F), F, U))
+    if small:
         # Normalized from the deviations the local moments took: the gradient reads them too.
         shift = b.binary("Sub", "shift", mean, local.mean, F)
-        y = _normalize_by_passes(b, deviations, scale, offset, shift, rstd, U)
+        y = _normalize_by_passes(b, deviations, scale, offset, shift, spread, U)
         replaced = identity_n(site.name, [y, *statistics, deviations, shift, *controls],
                               [T] + [U] * len(statistics) + [F, F], node.device, key)
         set_attr(replaced, DEVIATIONS_ATTR, len(statistics) + 1)
         editor.replace(replaced)
+    elif not in_body(site.name):
+        # The op stays, in inference mode fed the global moments; outputs 1-5 move to the
+        # statistics, so that Grappler still fuses a following ReLU into it.
+        inputs = [x, scale, offset, b.cast("mean_u", mean, F, U), b.cast("variance_u", var, F, U)]
+        editor.replace(_marked(site.op, site.name, inputs + controls, node.device, key, norm_attrs))
+        _move_statistics(ctx, site.name, statistics + controls, U)
     else:
         y = b.node(site.op, "normalize", [x, scale, offset, b.cast("mean_u", mean, F, U), b.cast("variance_u", var, F, U)], **norm_attrs)
         editor.replace(identity_n(site.name, [y, *statistics, *controls], [T] + [U] * len(statistics), node.device, key))
@@ -127,18 +125,16 @@ def _move_statistics(ctx: SiteContext, site: str, inputs: list[str], dtype: int)
 
 
 def _kernel_moments(b: Builder, x: str, scale: str, offset: str, site: Site, count: int | None) -> Local:
-    """The local moments from a training-mode FusedBatchNormV3 (channels last): M2 = n - 1
-    times its Bessel-corrected batch variance; n is `count` when static."""
-    empty = b.const("empty_float", np.zeros([0], np.float32), np.float32)
+    """The local moments from a training-mode FusedBatchNormV3 (channels last), whose y goes
+    unused: its mean, and its Bessel-corrected variance, n - 1 times which is M2."""
+    empty = b.const("empty", np.zeros([0], np.float32), np.float32)
     local = b.node("FusedBatchNormV3", "local_moments", [x, scale, offset, empty, empty], epsilon=site.epsilon,
                    data_format="NHWC", is_training=True, exponential_avg_factor=1.0, T=DType(site.dtype), U=DType(F))
-    if count is None:
-        n = b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, DT_DOUBLE)
-        n_minus_one = b.binary("Sub", "count_minus_one", n, b.const("one64", 1.0, np.float64), DT_DOUBLE)
-    else:
-        n, n_minus_one = b.const("count", [float(count)], np.float64), b.const("count_minus_one", [count - 1.0], np.float64)
-    m2 = b.binary("Mul", "local_m2_64", b.cast("local_variance64", f"{local}:2", F, DT_DOUBLE), n_minus_one, DT_DOUBLE)
-    return Local(n, f"{local}:1", m2)
+    variance = b.cast("local_variance64", f"{local}:2", F, DT_DOUBLE)
+    if count is not None:
+        return Local(count, f"{local}:1", variance, count - 1.0)
+    n = b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, DT_DOUBLE)
+    return Local(n, f"{local}:1", variance, b.binary("Sub", "count_minus_one", n, b.const("one64", 1.0, np.float64), DT_DOUBLE))
 
 
 def _blend(b: Builder, name: str, value: str, running: str, site: Site) -> str:
