@@ -43,12 +43,9 @@ class Moments:
 
 
 def centred_moments(b: Builder, x: str, dtype: int, axes: list[int], broadcast: list[int] | None,
-                    keep_deviations: bool = False, count: int | None = None, work: int = F) -> tuple[Local, str, str]:
+                    count: int | None = None, work: int = F) -> tuple[Local, str]:
     """This tower's moments of x over `axes` by elementwise passes: a sum, then the squared
-    deviations from the local mean, summed; also returns the local sum, and with
-    `keep_deviations` the deviations themselves (x's shape: a Sub, for sync_forward to
-    normalize from; an EuclideanNorm takes their sum of squares in the pass that reads them),
-    else "" (one SquaredDifference).
+    deviations from the local mean (one SquaredDifference), summed; also returns the local sum.
 
     `broadcast`: for a per-channel reduction (fused sites) the shape that lines a [C] vector up
     with x (empty: channels last); sums come out flat. None keeps the reduced dimensions
@@ -67,17 +64,12 @@ def centred_moments(b: Builder, x: str, dtype: int, axes: list[int], broadcast: 
         n = count
         local_mean = b.binary("Mul", "local_mean", local_sum, b.const("reciprocal_count", 1.0 / max(count, 1), _NUMPY[work]), work)
     centre = local_mean if keep_dims else b.per_channel("local_mean_b", local_mean, broadcast, work)
-    if keep_deviations:
-        deviations = b.binary("Sub", "deviations", xf, centre, work)
-        norm = b.reduce("EuclideanNorm", "deviations_norm", deviations, axes_const, work, keep_dims)
-        m2 = b.unary("Square", "local_m2", norm, work)
-    else:
-        deviations, squared = "", b.binary("SquaredDifference", "squared", xf, centre, work)
-        m2 = b.reduce_sum("local_m2", squared, axes_const, work, keep_dims)
+    squared = b.binary("SquaredDifference", "squared", xf, centre, work)
+    m2 = b.reduce_sum("local_m2", squared, axes_const, work, keep_dims)
     if keep_dims:
         flat = b.const("flat", [-1])
         local_mean, m2 = b.reshape("local_mean_flat", local_mean, flat, work), b.reshape("local_m2_flat", m2, flat, work)
-    return Local(n, local_mean, b.cast("local_m2_64", m2, work, D)), local_sum, deviations
+    return Local(n, local_mean, b.cast("local_m2_64", m2, work, D)), local_sum
 
 
 def global_moments(b: Builder, local: Local, key: Collective, total: int | None = None, work: int = F) -> Moments:

@@ -239,7 +239,7 @@ def _op_version_matches_one_device(op: str, path: str, batch: str) -> None:
     got = _run(result.graph_def, k, _split_feeds(k, x, r), fetches)
     payload = {n.name: len(n.input) - (n.op == "ConcatV2") for n in result.graph_def.node
                if n.op in ("ConcatV2", "Pack") and n.name.endswith("sync_bn_grad/sums")}
-    counted = batch == "unknown" and op != "FusedBatchNormV3"
+    counted = batch == "unknown"
     assert set(payload.values()) == ({3} if counted else {2}), payload  # [n,] sum dy, sum dy*xc
     forward = {len(n.input) - 1 for n in result.graph_def.node if n.op == "ConcatV2" and n.name.endswith("sync_bn/moments")}
     assert forward == ({3} if batch == "unknown" else {2}), forward  # [n,] sum, sum of squares
