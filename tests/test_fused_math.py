@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from bnrewrite import rewrite_graph
-from models import kernel_gradients, kernel_moments, session_config, use_kernels
+from models import kernel_gradients, kernel_moments, session_config, use_passes
 
 tf1 = tf.compat.v1
 C = 5
@@ -74,9 +74,9 @@ def _split_feeds(k: int, x: np.ndarray, r: np.ndarray, axis: int = 0) -> dict:
 
 @pytest.fixture(params=["passes", "kernels"])
 def path(request, monkeypatch):
-    """The elementwise passes, or (every size allowed) the fused kernels, forward and backward."""
-    if request.param == "kernels":
-        use_kernels(monkeypatch)
+    """The fused kernels (channels last), or the elementwise passes, forward and backward."""
+    if request.param == "passes":
+        use_passes(monkeypatch)
     return request.param
 
 
@@ -243,8 +243,8 @@ def _op_version_matches_one_device(op: str, path: str, batch: str) -> None:
     assert set(payload.values()) == ({3} if counted else {2}), payload  # [n,] sum dy, sum dy*xc
     forward = {len(n.input) - 1 for n in result.graph_def.node if n.op == "ConcatV2" and n.name.endswith("sync_bn/moments")}
     assert forward == ({3} if batch == "unknown" else {2}), forward  # [n,] sum, sum of squares
-    # The kernels serve every op version, forward and backward.
-    kernels = k if path == "kernels" and batch == "static" else 0
+    # The kernels serve every op version and batch, forward and backward.
+    kernels = k if path == "kernels" else 0
     assert (len(kernel_moments(result.graph_def)), len(kernel_gradients(result.graph_def))) == (kernels, kernels)
     unsynced = _run(graph, k, _split_feeds(k, x, r), fetches)
 
