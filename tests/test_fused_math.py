@@ -216,12 +216,10 @@ def test_every_fused_op_version(op, path):
 
 
 @pytest.mark.parametrize("op", ["FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"])
-def test_every_fused_op_version_of_unknown_batch_size(op):
-    """With an unknown batch size the forward all-reduce carries the counts; FusedBatchNorm and
-    V2, which have no reserve_space_3, have their gradients' carry them too, and V3 gets N from
-    the forward pass; no kernels (they need a known size). dx and the batch statistics match
-    one device."""
-    _op_version_matches_one_device(op, "passes", "unknown")
+def test_every_fused_op_version_of_unknown_batch_size(op, path):
+    """With an unknown batch size the all-reduces, forward and backward, carry the counts. dx
+    and the batch statistics match one device, by passes or kernels."""
+    _op_version_matches_one_device(op, path, "unknown")
 
 
 def _op_version_matches_one_device(op: str, path: str, batch: str) -> None:
