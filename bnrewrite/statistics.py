@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bnrewrite.collectives import Collective, all_reduce
-from bnrewrite.nodes import DT_DOUBLE, DT_FLOAT, Builder
+from bnrewrite.nodes import DT_DOUBLE, DT_FLOAT, Builder, DType
 
 D, F = DT_DOUBLE, DT_FLOAT
 _NUMPY = {D: np.float64, F: np.float32}
@@ -27,7 +27,7 @@ class Local:
 
     count: str | int  # n: static, or a float64 [1] tensor
     mean: str  # in the work dtype
-    spread: str  # float64: M2 = spread * factor
+    spread: str  # in the work dtype: M2 = spread * factor
     factor: str | float = 1.0  # static, or a float64 [1] tensor
 
 
@@ -69,7 +69,7 @@ def centred_moments(b: Builder, x: str, dtype: int, axes: list[int], broadcast: 
     if keep_dims:
         flat = b.const("flat", [-1])
         local_mean, m2 = b.reshape("local_mean_flat", local_mean, flat, work), b.reshape("local_m2_flat", m2, flat, work)
-    return Local(n, local_mean, b.cast("local_m2_64", m2, work, D)), local_sum
+    return Local(n, local_mean, m2), local_sum
 
 
 def global_moments(b: Builder, local: Local, key: Collective, total: int | None = None, work: int = F) -> Moments:
@@ -77,19 +77,23 @@ def global_moments(b: Builder, local: Local, key: Collective, total: int | None 
     global count when every member's is static (bnrewrite.passes.sites.static_counts; then
     local.count and local.factor are static too), folds the counts into constant weights and
     keeps them out of the all-reduce. `work`: the dtype of `local.mean` and of the moments."""
-    m64 = b.cast("local_mean64", local.mean, work, D)
     if total is not None:
         assert isinstance(local.count, int) and isinstance(local.factor, float)
-        s = b.binary("Mul", "weighted_mean64", m64, b.const("weight64", local.count / total, np.float64), D)
-        spread = b.binary("Mul", "weighted_m2_64", local.spread, b.const("spread_weight64", local.factor / total, np.float64), D)
-        reduced = all_reduce(b, "all_reduce", b.concat("moments", [s, b.binary("AddV2", "sumsq64", spread, b.binary("Mul", "mean_sq64", s, m64, D), D)], D), D, key)
-        mean64, mean_sq64 = b.split_pairs("global", reduced, D)
+        # [[n/N m], [factor/N spread]] and its product with [[m], [spread]]: rows 0-2 are what the
+        # all-reduce sums (row 3 rides along: one Mul and one Concat instead of three and two)
+        stacked = b.cast("local64", b.node("Pack", "local", [local.mean, local.spread], T=DType(work), N=2, axis=0), work, D)
+        weights = b.const("weights64", [[local.count / total], [local.factor / total]], np.float64)
+        weighted = b.binary("Mul", "weighted64", stacked, weights, D)
+        reduced = all_reduce(b, "all_reduce", b.concat("moments", [weighted, b.binary("Mul", "weighted_sq64", weighted, stacked, D)], D), D, key)
+        rows = b.node("Unpack", "global", [reduced], T=DType(D), num=4, axis=0)
+        mean64, mean_sq64 = rows, b.binary("AddV2", "mean_sq64", f"{rows}:1", f"{rows}:2", D)
         # E[x^2] - E[x]^2 in float64: at |mean|/std = 1000 it keeps ~1e-10 of the variance
         variance = b.cast("variance", b.binary("Sub", "variance64", mean_sq64, b.unary("Square", "mean_squared64", mean64, D), D), D, work)
         return Moments(collective=reduced, count=b.const("total64", [float(total)], np.float64), mean=b.cast("mean", mean64, D, work),
                        variance=variance, variance_unbiased=b.binary("Mul", "variance_unbiased", variance, b.const("bessel", total / (total - 1.0), _NUMPY[work]), work))
+    m64, spread = b.cast("local_mean64", local.mean, work, D), b.cast("local_spread64", local.spread, work, D)
     n = local.count if isinstance(local.count, str) else b.const("count", [float(local.count)], np.float64)
-    m2 = local.spread if local.factor == 1.0 else b.binary("Mul", "local_m2_64", local.spread, _float64(b, "factor", local.factor), D)
+    m2 = spread if local.factor == 1.0 else b.binary("Mul", "local_m2_64", spread, _float64(b, "factor", local.factor), D)
     s = b.binary("Mul", "sum64", n, m64, D)
     ss = b.binary("AddV2", "sumsq64", m2, b.binary("Mul", "mean_sq64", s, m64, D), D)
     reduced = all_reduce(b, "all_reduce", b.concat("moments", [n, s, ss], D), D, key)

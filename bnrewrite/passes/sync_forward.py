@@ -109,11 +109,10 @@ def _kernel_moments(b: Builder, x: str, scale: str, offset: str, site: Site, cou
     empty = b.const("empty", np.zeros([0], np.float32), np.float32)
     local = b.node("FusedBatchNormV3", "local_moments", [x, scale, offset, empty, empty], epsilon=site.epsilon,
                    data_format="NHWC", is_training=True, exponential_avg_factor=1.0, T=DType(site.dtype), U=DType(F))
-    variance = b.cast("local_variance64", f"{local}:2", F, DT_DOUBLE)
     if count is not None:
-        return Local(count, f"{local}:1", variance, count - 1.0)
+        return Local(count, f"{local}:1", f"{local}:2", count - 1.0)
     n = b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, DT_DOUBLE)
-    return Local(n, f"{local}:1", variance, b.binary("Sub", "count_minus_one", n, b.const("one64", 1.0, np.float64), DT_DOUBLE))
+    return Local(n, f"{local}:1", f"{local}:2", b.binary("Sub", "count_minus_one", n, b.const("one64", 1.0, np.float64), DT_DOUBLE))
 
 
 def _blend(b: Builder, name: str, value: str, running: str, site: Site) -> str:
