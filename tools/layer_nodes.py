@@ -168,10 +168,10 @@ def main(argv: list[str] | None = None) -> None:
         towers, layers = map(int, args.deep.split("x"))
         rows.append(measure_deep(towers, layers))
     print(f"net nodes added per synced site (layer x tower), TensorFlow {tf.__version__}, {args.towers} towers")
-    print(f"{'form':26} {'backend':10} {'sites':>5} {'graph':>6} {'consts':>6} {'step':>6} {'launch':>6} "
+    print(f"{'form':28} {'backend':10} {'sites':>5} {'graph':>6} {'consts':>6} {'step':>6} {'launch':>6} "
           f"{'launches x built':>16}")
     for r in rows:
-        print(f"{r['form']:26} {r['backend']:10} {r['sites']:5d} {r['graph']:6.1f} {r['constants']:6.1f} "
+        print(f"{r['form']:28} {r['backend']:10} {r['sites']:5d} {r['graph']:6.1f} {r['constants']:6.1f} "
               f"{r['step']:6.1f} {r['launches']:6.1f} {r['launch_ratio']:16.2f}")
     for line in missing:
         print(f"not measured: {line}")
