@@ -83,8 +83,9 @@ def global_moments(b: Builder, local: Local, key: Collective, total: int | None 
         # all-reduce sums (row 3 rides along: one Mul and one Concat instead of three and two)
         stacked = b.cast("local64", b.node("Pack", "local", [local.mean, local.spread], T=DType(work), N=2, axis=0), work, D)
         weights = b.const("weights64", [[local.count / total], [local.factor / total]], np.float64)
-        weighted = b.binary("Mul", "weighted64", stacked, weights, D)
-        reduced = all_reduce(b, "all_reduce", b.concat("moments", [weighted, b.binary("Mul", "weighted_sq64", weighted, stacked, D)], D), D, key)
+        # MulNoNan: a weight of 0 (no examples, or n = 1 for the kernel's variance) zeroes a NaN moment
+        weighted = b.binary("MulNoNan", "weighted64", stacked, weights, D)
+        reduced = all_reduce(b, "all_reduce", b.concat("moments", [weighted, b.binary("MulNoNan", "weighted_sq64", stacked, weighted, D)], D), D, key)
         rows = b.node("Unpack", "global", [reduced], T=DType(D), num=4, axis=0)
         mean64, mean_sq64 = rows, b.binary("AddV2", "mean_sq64", f"{rows}:1", f"{rows}:2", D)
         # E[x^2] - E[x]^2 in float64: at |mean|/std = 1000 it keeps ~1e-10 of the variance
@@ -93,9 +94,10 @@ def global_moments(b: Builder, local: Local, key: Collective, total: int | None 
                        variance=variance, variance_unbiased=b.binary("Mul", "variance_unbiased", variance, b.const("bessel", total / (total - 1.0), _NUMPY[work]), work))
     m64, spread = b.cast("local_mean64", local.mean, work, D), b.cast("local_spread64", local.spread, work, D)
     n = local.count if isinstance(local.count, str) else b.const("count", [float(local.count)], np.float64)
-    m2 = spread if local.factor == 1.0 else b.binary("Mul", "local_m2_64", spread, _float64(b, "factor", local.factor), D)
-    s = b.binary("Mul", "sum64", n, m64, D)
-    ss = b.binary("AddV2", "sumsq64", m2, b.binary("Mul", "mean_sq64", s, m64, D), D)
+    # MulNoNan: a tower of no examples gives the kernel's NaN moments, which must weigh 0
+    m2 = spread if local.factor == 1.0 else b.binary("MulNoNan", "local_m2_64", spread, _float64(b, "factor", local.factor), D)
+    s = b.binary("MulNoNan", "sum64", m64, n, D)
+    ss = b.binary("AddV2", "sumsq64", m2, b.binary("MulNoNan", "mean_sq64", m64, s, D), D)
     reduced = all_reduce(b, "all_reduce", b.concat("moments", [n, s, ss], D), D, key)
     total_count, (gsum, gsumsq) = b.split_count("global", reduced, D)
     mean64 = b.binary("DivNoNan", "mean64", gsum, total_count, D)

@@ -112,7 +112,8 @@ def _kernel_moments(b: Builder, x: str, scale: str, offset: str, site: Site, cou
     if count is not None:
         return Local(count, f"{local}:1", f"{local}:2", count - 1.0)
     n = b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, DT_DOUBLE)
-    return Local(n, f"{local}:1", f"{local}:2", b.binary("Sub", "count_minus_one", n, b.const("one64", 1.0, np.float64), DT_DOUBLE))
+    n_minus_one = b.unary("Relu", "count_minus_one", b.binary("Sub", "count_less_one", n, b.const("one64", 1.0, np.float64), DT_DOUBLE), DT_DOUBLE)
+    return Local(n, f"{local}:1", f"{local}:2", n_minus_one)  # n - 1, and 0 for a tower of no examples
 
 
 def _blend(b: Builder, name: str, value: str, running: str, site: Site) -> str:
