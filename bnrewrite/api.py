@@ -37,7 +37,6 @@ from bnrewrite.nodes import MARK, outer_node
 from bnrewrite.opcheck import check_nodes
 from bnrewrite.passes import run_passes
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sites import KERNEL_MIN_ELEMENTS, kernel_size_unknown
 from bnrewrite.plan import Options, Plan, plan_without_shared_body_updates
 from bnrewrite.report import LayerRow, MovingUpdate, Report, TowerTensors
 from bnrewrite.step_copies import COPY_SCOPE, copy_steps
@@ -269,15 +268,9 @@ def _rewrite(
                 "all-reduces inside If branch functions are not chained across functions by order_collectives "
                 "(fine with the collective backend; with NCCL, towers could launch them in different orders)"
             )
-    unsized = sum(kernel_size_unknown(combined, group.sites[0]) for group in plan.groups)
     report = _report(combined, plan, records, census, len(model), len(rewritten))
     if report_note:
         report.notes.append(report_note)
-    if unsized:
-        report.notes.append(
-            f"{unsized} layer(s) on CPU towers: elementwise passes, as their inputs' static shapes are unknown (fused "
-            f"kernels, faster from {KERNEL_MIN_ELEMENTS} elements per tower, need them: "
-            "give the placeholders fully defined shapes)")
     devices = [site.device for site in plan.groups[0].sites]
     real = [placed(d, options.available_gpus, options.available_cpus) for d in devices]
     if real != devices and len(set(real)) < len(real):

@@ -21,7 +21,7 @@ helpers.
     load_graph(GraphDef | MetaGraphDef | tf.Graph | bytes | path) -> tf.Graph
     build_hand_synced(spec, all_tower_updates=False) -> Built   (test-only)
     assert_synced(label, synced, unsynced, expected, tolerance) -> float   (test-only)
-    use_kernels(monkeypatch); kernel_gradients(graph_def), kernel_moments(graph_def) -> [names]   (test-only)
+    use_passes(monkeypatch); kernel_gradients(graph_def), kernel_moments(graph_def) -> [names]   (test-only)
     one_device_run(spec, steps), unrewritten_run(spec, steps) -> Result   (test-only, once per process)
 
 Typical oracle test::
@@ -225,10 +225,10 @@ class _TowerScope:
         self._device.__exit__(*exc)
 
 
-def use_kernels(monkeypatch) -> None:
-    """Let sync_forward's and sync_backward's fused-kernel paths take activations of any size
-    (the test models are small)."""
-    monkeypatch.setattr(importlib.import_module("bnrewrite.passes.sites"), "KERNEL_MIN_ELEMENTS", 1)
+def use_passes(monkeypatch) -> None:
+    """Send channels-last float32/float16 fused sites down sync_forward's and sync_backward's
+    elementwise passes (which channels-first and bfloat16 sites take) instead of the kernels."""
+    monkeypatch.setattr(importlib.import_module("bnrewrite.passes.sites"), "KERNEL_DTYPES", frozenset())
 
 
 def kernel_gradients(graph_def) -> list[str]:

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from bnrewrite import rewrite_graph
-from models import kernel_gradients, kernel_moments, session_config, use_kernels
+from models import kernel_gradients, kernel_moments, session_config, use_passes
 
 tf1 = tf.compat.v1
 C = 5
@@ -74,9 +74,9 @@ def _split_feeds(k: int, x: np.ndarray, r: np.ndarray, axis: int = 0) -> dict:
 
 @pytest.fixture(params=["passes", "kernels"])
 def path(request, monkeypatch):
-    """The elementwise passes, or (every size allowed) the fused kernels, forward and backward."""
-    if request.param == "kernels":
-        use_kernels(monkeypatch)
+    """The fused kernels (channels last), or the elementwise passes, forward and backward."""
+    if request.param == "passes":
+        use_passes(monkeypatch)
     return request.param
 
 
@@ -216,12 +216,10 @@ def test_every_fused_op_version(op, path):
 
 
 @pytest.mark.parametrize("op", ["FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"])
-def test_every_fused_op_version_of_unknown_batch_size(op):
-    """With an unknown batch size the forward all-reduce carries the counts; FusedBatchNorm and
-    V2, which have no reserve_space_3, have their gradients' carry them too, and V3 gets N from
-    the forward pass; no kernels (they need a known size). dx and the batch statistics match
-    one device."""
-    _op_version_matches_one_device(op, "passes", "unknown")
+def test_every_fused_op_version_of_unknown_batch_size(op, path):
+    """With an unknown batch size the all-reduces, forward and backward, carry the counts. dx
+    and the batch statistics match one device, by passes or kernels."""
+    _op_version_matches_one_device(op, path, "unknown")
 
 
 def _op_version_matches_one_device(op: str, path: str, batch: str) -> None:
@@ -237,15 +235,15 @@ def _op_version_matches_one_device(op: str, path: str, batch: str) -> None:
     result = rewrite_graph(graph, backend="collective")
     fetches = [f"tower_{i}/{n}:0" for i in range(k) for n in names]
     got = _run(result.graph_def, k, _split_feeds(k, x, r), fetches)
-    payload = {n.name: len(n.input) - 1 for n in result.graph_def.node if n.op == "ConcatV2" and n.name.endswith("sync_bn_grad/sums")}
-    counted = batch == "unknown" and op != "FusedBatchNormV3"
+    payload = {n.name: len(n.input) - (n.op == "ConcatV2") for n in result.graph_def.node
+               if n.op in ("ConcatV2", "Pack") and n.name.endswith("sync_bn_grad/sums")}
+    counted = batch == "unknown"
     assert set(payload.values()) == ({3} if counted else {2}), payload  # [n,] sum dy, sum dy*xc
     forward = {len(n.input) - 1 for n in result.graph_def.node if n.op == "ConcatV2" and n.name.endswith("sync_bn/moments")}
     assert forward == ({3} if batch == "unknown" else {2}), forward  # [n,] sum, sum of squares
-    # The forward kernels serve every op version; the backward's need V3's count.
-    kernels = k if path == "kernels" and batch == "static" else 0
-    assert (len(kernel_moments(result.graph_def)), len(kernel_gradients(result.graph_def))) == (
-        kernels, kernels if op == "FusedBatchNormV3" else 0)
+    # The kernels serve every op version and batch, forward and backward.
+    kernels = k if path == "kernels" else 0
+    assert (len(kernel_moments(result.graph_def)), len(kernel_gradients(result.graph_def))) == (kernels, kernels)
     unsynced = _run(graph, k, _split_feeds(k, x, r), fetches)
 
     def dx_error(values: list) -> float:

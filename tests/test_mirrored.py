@@ -23,7 +23,7 @@ from tensorflow.python.distribute import cross_device_ops
 from bnrewrite import rewrite_graph
 from models import (BN_EPSILON, BN_MOMENTUM, FILTERS, LEARNING_RATE, NUM_CLASSES, OPTIMIZER_MOMENTUM, Built,
                     Result, Spec, assert_synced, image_shape, initial_values, kernel_gradients, kernel_moments, make_batches, train,
-                    use_kernels)
+                    use_passes)
 
 tf1 = tf.compat.v1
 STEPS, BATCH = 3, 3
@@ -152,21 +152,21 @@ def _check_oracle(label: str, built: Built, synced_graph, unsynced: Built, refer
 # Not the full product: tf_keras's BatchNormalization builds the legacy layer's graph node for
 # node today, and strategy.run calls call_for_each_replica; each legacy kind meets both replica
 # counts and both entry points, each Keras kind one of them.
-# path: the all-reduce backend, or "kernels": local with the fused-kernel backward at any size.
+# path: the all-reduce backend, or "passes": local with the elementwise passes where the fused kernels would serve.
 @pytest.mark.parametrize(("kind", "replicas", "entry", "path"), [
     ("legacy_fused", 2, "run", "collective"), ("legacy_fused", 4, "call_for_each_replica", "collective"),
     ("legacy_unfused", 2, "call_for_each_replica", "collective"), ("legacy_unfused", 4, "run", "collective"),
     ("keras_fused", 2, "run", "collective"), ("keras_unfused", 4, "call_for_each_replica", "collective"),
     ("legacy_fused", 4, "run", "local"), ("legacy_unfused", 2, "run", "local"), ("keras_fused", 2, "run", "local"),
-    ("legacy_fused", 2, "call_for_each_replica", "kernels"), ("keras_fused", 4, "run", "kernels"),
+    ("legacy_fused", 2, "call_for_each_replica", "passes"), ("keras_fused", 4, "run", "passes"),
 ])
 def test_mirrored_strategy_trains_like_one_device(kind: str, replicas: int, entry: str, path: str, monkeypatch) -> None:
     built = _build(kind, replicas, BATCH, entry)
-    if path == "kernels":
-        use_kernels(monkeypatch)
+    if path == "passes":
+        use_passes(monkeypatch)
     result = rewrite_graph(built.graph, backend="collective" if path == "collective" else "local")
-    if path == "kernels":
-        assert kernel_gradients(result.graph_def) and kernel_moments(result.graph_def)
+    if path == "passes":
+        assert not kernel_gradients(result.graph_def) and not kernel_moments(result.graph_def)
     report = result.report
     assert "replicated variables" in report.layout and not report.skipped
     assert [row.layer for row in report.layers] == BN_LAYERS

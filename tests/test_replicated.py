@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from bnrewrite import UnsyncedLayerError, rewrite_graph
 from bnrewrite.report import Report
-from models import Built, Result, Spec, assert_synced, kernel_gradients, kernel_moments, make_batches, train, use_kernels
+from models import Built, Result, Spec, assert_synced, kernel_gradients, kernel_moments, make_batches, train, use_passes
 
 tf1 = tf.compat.v1
 CLASSES, STEPS, BATCH = 4, 3, 2
@@ -190,21 +190,21 @@ def _assert_updates_kept(report: Report, graph_def: tf1.GraphDef, towers: Towers
         pytest.param(8, True, True, True, "collective", id="K8-fused-every_tower"),
         pytest.param(8, False, False, True, "collective", id="K8-unfused-tower0"),
         pytest.param(4, False, True, False, "local", id="K4-unfused-every_tower-ref-local"),
-        pytest.param(4, True, True, False, "kernels", id="K4-fused-every_tower-ref-kernels"),
-        pytest.param(2, True, False, True, "kernels", id="K2-fused-tower0-kernels"),
+        pytest.param(4, True, True, False, "local", id="K4-fused-every_tower-ref-local"),
+        pytest.param(2, True, False, True, "passes", id="K2-fused-tower0-passes"),
     ],
 )
 def test_replicated_block_trains_like_one_device(k: int, fused: bool, every_tower_updates: bool, resource: bool,
                                                  path: str, monkeypatch):
-    """path: the all-reduce backend, or "kernels": local with the fused-kernel backward at any size."""
+    """path: the all-reduce backend, or "passes": local with the elementwise passes where the fused kernels would serve."""
     towers = _numbered(k)
     model = _block(fused)
     built = _build(model, towers, BATCH, every_tower_updates=every_tower_updates, resource=resource)
-    if path == "kernels":
-        use_kernels(monkeypatch)
+    if path == "passes":
+        use_passes(monkeypatch)
     result = rewrite_graph(built.graph, backend="collective" if path == "collective" else "local")
-    if path == "kernels":
-        assert kernel_gradients(result.graph_def) and kernel_moments(result.graph_def)
+    if path == "passes":
+        assert not kernel_gradients(result.graph_def) and not kernel_moments(result.graph_def)
     assert "replicated variables" in result.report.layout
     assert not result.report.skipped
     _assert_lined_up(result.report, towers, BLOCK_BN)

@@ -11,10 +11,9 @@ from tensorflow.core.framework.node_def_pb2 import NodeDef
 from bnrewrite import rewrite_graph
 from bnrewrite.graph import Graph
 from bnrewrite.graph_edit import Editor
-from bnrewrite.passes.sites import DEVIATIONS_ATTR
 from bnrewrite.shapes import ShapeInference
 from models import (Spec, assert_synced, build_reference, build_towers, kernel_gradients, kernel_moments, make_batches,
-                    train, use_kernels)
+                    train, use_passes)
 
 tf1 = tf.compat.v1
 
@@ -257,17 +256,15 @@ def _nodes(graph_def) -> list:
                                   Spec(towers=2, image=64, data_format="NCHW")],
                          ids=["small", "kernel-size legacy", "kernel-size fused_op", "kernel-size NCHW"])
 def test_graph_graph_def_and_meta_graph_def_give_the_same_graph(spec):
-    """Small activations are normalized by passes, kernel-sized ones (4 x 64 x 64 x 8, at least
-    KERNEL_MIN_ELEMENTS) by the fused kernels, whichever form the model comes in."""
+    """Channels-last activations, small or large (4 x 64 x 64 x 8), take the fused kernels,
+    channels-first ones the passes, whichever form the model comes in."""
     forms = _forms(build_towers(spec))
     before = forms["GraphDef"].SerializeToString(deterministic=True)
     results = {form: rewrite_graph(graph) for form, graph in forms.items()}
     assert forms["GraphDef"].SerializeToString(deterministic=True) == before
     expected = _nodes(results["tf.Graph"].graph_def)
     kernels = len(kernel_moments(results["tf.Graph"].graph_def))
-    assert kernels == (2 * spec.towers if spec.image == 64 and spec.data_format == "NHWC" else 0)
-    by_passes = sum(DEVIATIONS_ATTR in n.attr for n in results["tf.Graph"].graph_def.node)
-    assert by_passes == (2 * spec.towers if spec.image != 64 and spec.data_format == "NHWC" else 0)
+    assert kernels == (2 * spec.towers if spec.data_format == "NHWC" else 0)
     for form, result in results.items():
         assert _nodes(result.graph_def) == expected, form
         assert not [note for note in result.report.notes if "static shapes" in note], form
@@ -275,15 +272,14 @@ def test_graph_graph_def_and_meta_graph_def_give_the_same_graph(spec):
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["passes", "kernels"])
 def test_bare_graph_def_trains_like_one_device(kernels, monkeypatch):
-    """Rewritten from a bare GraphDef (shapes inferred): small activations by passes, or, with
-    the threshold lowered, by the fused kernels; either way like one device fed K*B."""
-    if kernels:
-        monkeypatch.setattr("bnrewrite.passes.sites.KERNEL_MIN_ELEMENTS", 1)
+    """Rewritten from a bare GraphDef (shapes inferred): by the fused kernels, or, sent down
+    them, by the elementwise passes; either way like one device fed K*B."""
+    if not kernels:
+        use_passes(monkeypatch)
     spec = Spec(towers=2)
     built = build_towers(spec)
     result = rewrite_graph(built.graph.as_graph_def())
     assert len(kernel_moments(result.graph_def)) == len(kernel_gradients(result.graph_def)) == (4 if kernels else 0)
-    assert sum(DEVIATIONS_ATTR in n.attr for n in result.graph_def.node) == (0 if kernels else 4)
     data, ref = make_batches(spec, 3), build_reference(spec)
     assert_synced(f"bare GraphDef, {'kernels' if kernels else 'passes'}",
                   train(result.graph_def, built, data, num_devices=spec.towers),
@@ -306,9 +302,8 @@ def test_towers_cut_from_one_placeholder_take_the_kernels(split):
 
 
 @pytest.mark.parametrize("split", ["split", "strided_slice"])
-def test_towers_cut_from_one_placeholder_train_like_one_device(split, monkeypatch):
-    """The same towers, small, on the kernels (threshold lowered): one device fed K*B."""
-    use_kernels(monkeypatch)
+def test_towers_cut_from_one_placeholder_train_like_one_device(split):
+    """The same towers, small, on the kernels: one device fed K*B."""
     spec = Spec(towers=2, split_input=split)
     built = build_towers(spec)
     result = rewrite_graph(built.graph.as_graph_def())

@@ -191,6 +191,8 @@ def test_a_wrong_epsilon_fails_named(monkeypatch):
             if MARK in node.attr and node.op == "Const" and node.name.endswith("/epsilon"):
                 tensor = editor.mutable(node.name).attr["value"].tensor
                 tensor.CopyFrom(tf.make_tensor_proto(np.float32(0.1)))
+            elif MARK in node.attr and node.op.startswith("FusedBatchNorm") and not node.attr["is_training"].b:
+                editor.mutable(node.name).attr["epsilon"].f *= 100  # the inference-mode kernels: epsilon is their attribute
         return editor.finish()
 
     _break_after_passes(monkeypatch, epsilon_times_100)

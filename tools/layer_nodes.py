@@ -4,8 +4,8 @@
                                 [--deep 8x20] [--json FILE]
 
 For each form (examples/towers_model.py's two conv+BN layers per tower: the fused op and the
-legacy layer, NHWC and NCHW, float32 and float16, small activations that take the elementwise
-passes and a batch of unknown size that keeps the kernels, `tf.nn.moments` layers, a v2 cond)
+legacy layer, NHWC (the fused kernels) and NCHW (elementwise passes), float32 and float16, a
+batch of static or unknown size, `tf.nn.moments` layers, a v2 cond)
 and backend, the graph is built with K towers on K virtual CPUs, rewritten, and measured as
 the training step sees it:
 
@@ -55,8 +55,8 @@ NO_KERNEL = frozenset({"Const", "HostConst", "Identity", "IdentityN", "NoOp", "S
 Spec = towers_model.Spec
 #: name -> how towers_model builds it (towers and device filled in per run).
 FORMS = {
-    "fused NHWC f32 passes": Spec(layer="fused_op"),
-    "fused NHWC f32 kernel": Spec(layer="fused_op", uneven=True),
+    "fused NHWC f32": Spec(layer="fused_op"),
+    "fused NHWC f32 unknown batch": Spec(layer="fused_op", uneven=True),
     "fused NCHW f32": Spec(layer="fused_op", data_format="NCHW"),
     "fused NHWC f16": Spec(layer="fused_op", dtype="float16"),
     "legacy NHWC f32": Spec(layer="legacy"),
@@ -168,10 +168,10 @@ def main(argv: list[str] | None = None) -> None:
         towers, layers = map(int, args.deep.split("x"))
         rows.append(measure_deep(towers, layers))
     print(f"net nodes added per synced site (layer x tower), TensorFlow {tf.__version__}, {args.towers} towers")
-    print(f"{'form':26} {'backend':10} {'sites':>5} {'graph':>6} {'consts':>6} {'step':>6} {'launch':>6} "
+    print(f"{'form':28} {'backend':10} {'sites':>5} {'graph':>6} {'consts':>6} {'step':>6} {'launch':>6} "
           f"{'launches x built':>16}")
     for r in rows:
-        print(f"{r['form']:26} {r['backend']:10} {r['sites']:5d} {r['graph']:6.1f} {r['constants']:6.1f} "
+        print(f"{r['form']:28} {r['backend']:10} {r['sites']:5d} {r['graph']:6.1f} {r['constants']:6.1f} "
               f"{r['step']:6.1f} {r['launches']:6.1f} {r['launch_ratio']:16.2f}")
     for line in missing:
         print(f"not measured: {line}")

@@ -1,19 +1,11 @@
-"""Backward: the gradient ops of every synced layer give dx for the global batch.
+"""Backward: the gradient ops of every synced layer give dx for the global batch of N examples.
 
-With x_hat = (x - mean) * rstd over the global batch of N examples,
-    dx = scale * rstd * (dy - sum(dy)/N - x_hat * sum(dy * x_hat)/N),
-where both sums run over every tower: each tower sums dy and dy*(x - mean) locally, one
-all-reduce adds them, the rest is elementwise (six passes, or two fused inference-mode kernels
-where sync_forward took kernels; see bnrewrite.passes.sites); dy * scale * rstd is taken
-before the all-reduce, so that the tower works while it waits. N is a constant when every
-copy's static shape tells its count (one worker); else it comes from the forward through
-reserve_space_3 (for FusedBatchNorm/V2 the all-reduce carries the counts). Where sync_forward
-normalized by passes, x - mean is its deviations minus the shift, and x is not read again.
-d(scale) and d(offset) stay tower-local (the graph's own averaging makes them exact) and wait
-for dx through control edges, as inside the fused kernel: an optimizer's update of a
-reference variable's scale must not overwrite it before dx has read it.
-The gradient op is replaced by an IdentityN of the same name, so its consumers are unchanged.
-Why each path, with figures and float16 rounding: docs/performance-history.md ("Kernels or passes").
+What: dx = scale * rstd * (dy - sum(dy)/N - x_hat * sum(dy * x_hat)/N), both sums over every
+tower by one all-reduce. Channels last (float32, float16): an inference-mode FusedBatchNormGradV3
+gives scale * rstd * dy and the local sums, an inference-mode FusedBatchNormV3 the correction;
+else elementwise passes. Why: the fewest nodes and launches (docs/performance.md). N is a
+constant when static, else the all-reduce carries the counts. Invariant: the gradient op becomes
+an IdentityN of its name; d(scale), d(offset) stay tower-local and leave with dx.
 """
 
 from __future__ import annotations
@@ -23,13 +15,11 @@ from typing import Sequence
 import numpy as np
 
 from bnrewrite.collectives import all_reduce
-from bnrewrite.functions import through_identity
 from bnrewrite.graph import Graph
-from bnrewrite.names import parse_input
 from bnrewrite.match.census import Site
 from bnrewrite.nodes import DT_FLOAT, Builder, DType, identity_n
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sites import SiteContext, deviations, each_site, kernel_sized, static_counts, statistics_node
+from bnrewrite.passes.sites import SiteContext, each_site, static_counts, takes_kernels
 from bnrewrite.plan import Plan
 
 F = DT_FLOAT
@@ -47,9 +37,8 @@ def _rewrite_grads(site: Site, ctx: SiteContext) -> None:
 
 def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     node = ctx.graph.node(grad)
-    counted = _forward_count(ctx.graph, grad, site)
-    if counted is not None and kernel_sized(ctx.graph, site, node.input[1]):
-        _rewrite_grad_with_kernels(grad, site, ctx, phase, counted)
+    if takes_kernels(site):
+        _rewrite_grad_with_kernels(grad, site, ctx, phase)
         return
     dy, x, scale, saved_mean, saved_rstd = node.input[:5]
     controls = [i for i in node.input if i.startswith("^")]
@@ -66,28 +55,19 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     sum_dy = b.reduce_sum("sum_dy", dyf, axes, F, False)
     gain = b.binary("Mul", "gain", b.cast("scale", scale, U, F), rstd, F)
     dy_gain = b.binary("Mul", "dy_gain", dyf, b.per_channel("gain_b", gain, shape, F), F)
-    from_forward = deviations(ctx.graph, site)
-    if from_forward is None:
-        mean = b.per_channel("mean_b", b.cast("mean", saved_mean, U, F), shape, F)
-        centred, shift = b.binary("Sub", "centred", b.cast("x_float", x, T, F), mean, F), ""
-        sum_dy_xc = b.reduce_sum("sum_dy_xc", b.binary("Mul", "dy_xc", dyf, centred, F), axes, F, False)
-    else:
-        # x - mean = centred - shift: deviations from the tower's own mean, minus the global
-        # mean's offset from it.
-        centred, shift = from_forward
-        sum_dy_dev = b.reduce_sum("sum_dy_deviations", b.binary("Mul", "dy_deviations", dyf, centred, F), axes, F, False)
-        sum_dy_xc = b.binary("Sub", "sum_dy_xc", sum_dy_dev, b.binary("Mul", "shift_sum_dy", shift, sum_dy, F), F)
+    mean = b.per_channel("mean_b", b.cast("mean", saved_mean, U, F), shape, F)
+    centred = b.binary("Sub", "centred", b.cast("x_float", x, T, F), mean, F)
+    sum_dy_xc = b.reduce_sum("sum_dy_xc", b.binary("Mul", "dy_xc", dyf, centred, F), axes, F, False)
     collective = ctx.plan.collective(ctx.layer, phase, ctx.tower)
     rstd_sq = b.binary("Mul", "rstd_sq", rstd, rstd, F)
     static = _static_total(ctx, phase)
-    if static is None and counted is None:  # the all-reduce carries the counts
+    if static is None:  # the all-reduce carries the counts
         packed = b.concat("sums", [b.count("count", x, axes, T, F), sum_dy, sum_dy_xc], F)
         reduce_name = all_reduce(b, "all_reduce", packed, F, collective)
         total, (gsum_dy, gsum_dy_xc) = b.split_count("global", reduce_name, F)
     else:
         reduce_name = all_reduce(b, "all_reduce", b.concat("sums", [sum_dy, sum_dy_xc], F), F, collective)
         gsum_dy, gsum_dy_xc = b.split_pairs("global", reduce_name, F)
-        total = b.cast("count", counted, U, F) if static is None else ""
     if static is not None:  # products with 1/N, rstd^2/N taken before the all-reduce
         inverse = b.const("reciprocal_total", 1.0 / static, np.float32)
         mean_dy = b.binary("Mul", "mean_dy", gsum_dy, inverse, F)
@@ -97,50 +77,45 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
         proj = b.binary("DivNoNan", "projection", b.binary("Mul", "dy_xc_rstd_sq", gsum_dy_xc, rstd_sq, F), total, F)
     ctx.record.collectives.append(reduce_name)
 
-    # gain * (dy - mean_dy - (x - mean) * proj), with x - mean = centred - shift, as
-    # dy * gain (taken before the all-reduce) - centred * (proj * gain) + gain * (shift * proj - mean_dy)
+    # gain * (dy - mean_dy - (x - mean) * proj), as dy * gain (taken before the all-reduce)
+    # - (x - mean) * (proj * gain) - gain * mean_dy
     xc_gain = b.per_channel("xc_gain_b", b.binary("Mul", "xc_gain", proj, gain, F), shape, F)
     dy_gain_minus_xc = b.binary("Sub", "dy_gain_minus_xc", dy_gain, b.binary("Mul", "xc_proj", centred, xc_gain, F), F)
-    offset = b.binary("Sub", "shift_proj_minus_mean_dy", b.binary("Mul", "shift_proj", shift, proj, F), mean_dy, F) if shift \
-        else b.unary("Neg", "minus_mean_dy", mean_dy, F)
-    constant = b.per_channel("constant_b", b.binary("Mul", "constant", offset, gain, F), shape, F)
+    constant = b.per_channel("constant_b", b.binary("Mul", "constant", b.unary("Neg", "minus_mean_dy", mean_dy, F), gain, F), shape, F)
     dx = b.cast("dx", b.binary("AddV2", "dx_float", dy_gain_minus_xc, constant, F), F, T)
     dscale = b.cast("dscale_stat", b.binary("Mul", "dscale_float", sum_dy_xc, rstd, F), F, U)
     _replace(grad, b, dx, dscale, b.cast("doffset_stat", sum_dy, F, U), controls, site, ctx)
 
 
-def _rewrite_grad_with_kernels(grad: str, site: Site, ctx: SiteContext, phase: int, counted: str) -> None:
-    """The kernel path (module docstring): channels last, FusedBatchNormGradV3 in inference
-    mode, which takes no means off (that is the correction's work) and so costs one pass."""
+def _rewrite_grad_with_kernels(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
+    """The kernel path (module docstring): channels last, an inference-mode FusedBatchNormGradV3
+    for gain * dy and the local [sum dy * x_hat, sum dy], one all-reduce, and an inference-mode
+    FusedBatchNormV3 for the correction -gain * (x_hat * mean(dy * x_hat) + mean(dy))."""
     node = ctx.graph.node(grad)
-    dy, x, scale, mean, rstd = node.input[:5]
+    dy, x, scale, mean, variance = node.input[:5]  # sync_forward left the variance in reserve_space_2
     controls = [i for i in node.input if i.startswith("^")]
     b = ctx.builder(grad, "sync_bn_grad", ctx.graph.node(site.name).device)
-    eps = b.const("epsilon", site.epsilon, np.float32)
-    variance = b.binary("Sub", "variance", b.unary("Reciprocal", "variance_eps", b.unary("Square", "rstd_sq", rstd, F), F), eps, F)
     attrs = {"epsilon": site.epsilon, "data_format": "NHWC", "T": DType(site.dtype), "U": DType(F)}
-    empty = b.const("empty_float", np.zeros([0], np.float32), np.float32)
+    empty = b.const("empty", np.zeros([0], np.float32), np.float32)
     local = b.node("FusedBatchNormGradV3", "local", [dy, x, scale, mean, variance, empty], is_training=False, **attrs)
     sum_dy_xhat, sum_dy = f"{local}:1", f"{local}:2"
-    reduce_name = all_reduce(b, "all_reduce", b.concat("sums", [sum_dy, sum_dy_xhat], F),
-                             F, ctx.plan.collective(ctx.layer, phase, ctx.tower))
-    ctx.record.collectives.append(reduce_name)
-    gsum_dy, gsum_dy_xhat = b.split_pairs("global", reduce_name, F)
-    minus_gain = b.unary("Neg", "minus_gain", b.binary("Mul", "gain", scale, rstd, F), F)
-
+    collective = ctx.plan.collective(ctx.layer, phase, ctx.tower)
     static = _static_total(ctx, phase)
-    inverse = b.const("reciprocal_total", 1.0 / static, np.float32) if static is not None else ""
-
-    def correction_factor(name: str, global_sum: str) -> str:
-        """-gain * the global mean that dx takes off."""
-        mean = (b.binary("Mul", f"{name}/global_mean", global_sum, inverse, F) if inverse
-                else b.binary("DivNoNan", f"{name}/global_mean", global_sum, counted, F))
-        return b.binary("Mul", name, minus_gain, mean, F)
-
-    correction = b.node("FusedBatchNormV3", "correction", [
-        x, correction_factor("correction_scale", gsum_dy_xhat), correction_factor("correction_offset", gsum_dy),
-        mean, variance,
-    ], exponential_avg_factor=1.0, is_training=False, **attrs)
+    if static is not None:
+        sums = reduced = all_reduce(b, "all_reduce", b.node("Pack", "sums", [sum_dy_xhat, sum_dy], T=DType(F), N=2, axis=0), F, collective)
+        per_example = b.const("minus_reciprocal_total", -1.0 / static, np.float32)
+    else:  # the all-reduce carries the counts
+        packed = b.concat("sums", [b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, F), sum_dy_xhat, sum_dy], F)
+        reduced = all_reduce(b, "all_reduce", packed, F, collective)
+        total, pair = b.split_count("global", reduced, F)
+        sums = b.node("Pack", "global_sums", pair, T=DType(F), N=2, axis=0)
+        per_example = b.unary("Neg", "minus_reciprocal_total", b.unary("Reciprocal", "reciprocal_total", total, F), F)
+    ctx.record.collectives.append(reduced)
+    rstd = b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", variance, b.const("epsilon", site.epsilon, np.float32), F), F)
+    factor = b.binary("Mul", "minus_gain_per_example", b.binary("Mul", "gain", scale, rstd, F), per_example, F)
+    corrections = b.node("Unpack", "corrections", [b.binary("Mul", "scaled_sums", sums, factor, F)], T=DType(F), num=2, axis=0)
+    correction = b.node("FusedBatchNormV3", "correction", [x, corrections, f"{corrections}:1", mean, variance],
+                        exponential_avg_factor=1.0, is_training=False, **attrs)
     dx = b.binary("AddV2", "dx", local, correction, site.dtype)
     _replace(grad, b, dx, sum_dy_xhat, sum_dy, controls, site, ctx)
 
@@ -148,14 +123,13 @@ def _rewrite_grad_with_kernels(grad: str, site: Site, ctx: SiteContext, phase: i
 def _replace(grad: str, b: Builder, dx: str, dscale: str, doffset: str, controls: list[str], site: Site, ctx: SiteContext) -> None:
     """The gradient op becomes an IdentityN of (dx, d(scale), d(offset), empty reserve spaces).
 
-    d(scale) and d(offset) wait for dx, as they did inside the fused kernel: with reference
+    d(scale) and d(offset) wait for dx, as they did inside the fused kernel (an IdentityN emits
+    its outputs together, and Grappler removes none of more than one input): with reference
     variables `scale` aliases the variable's buffer, which the optimizer's update of the scale
     (fed by d(scale)) would otherwise be free to overwrite before dx has read it."""
     T, U = site.dtype, site.stat_dtype
-    after_dx = f"^{dx}"
-    outputs = [dx, b.node("Identity", "dscale", [dscale, after_dx], T=DType(U)), b.node("Identity", "doffset", [doffset, after_dx], T=DType(U))]
-    empty = b.cast("empty", b.const("empty_float", np.zeros([0], np.float32), np.float32), F, U)
-    ctx.editor.replace(identity_n(grad, outputs + [empty, empty] + controls, [T, U, U, U, U], b.device, ctx.key))
+    empty = b.cast("empty_u", b.const("empty", np.zeros([0], np.float32), np.float32), F, U)
+    ctx.editor.replace(identity_n(grad, [dx, dscale, doffset, empty, empty] + controls, [T, U, U, U, U], b.device, ctx.key))
 
 
 def _static_total(ctx: SiteContext, phase: int) -> int | None:
@@ -165,13 +139,3 @@ def _static_total(ctx: SiteContext, phase: int) -> int | None:
         return ctx.graph.node(copy.grads[phase - 1]).input[1:3] if len(copy.grads) >= phase else None
 
     return static_counts(ctx, phase, x_and_scale)[1]
-
-
-def _forward_count(graph: Graph, grad: str, site: Site) -> str | None:
-    """The global count N that `sync_forward` left in reserve_space_3, when this gradient
-    reads it there (FusedBatchNormGradV3); None: the all-reduce carries the counts instead."""
-    node = graph.node(grad)
-    if node.op != "FusedBatchNormGradV3" or len(graph.inputs(grad)) < 6:
-        return None
-    spec = node.input[5]
-    return spec if through_identity(graph, parse_input(spec)) in ((site.name, 5), (statistics_node(site.name), 4)) else None

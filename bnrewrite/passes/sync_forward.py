@@ -1,17 +1,11 @@
 """Forward: every copy of a layer normalizes with the statistics of the global batch.
 
-Each tower's local moments (elementwise passes, or for large channels-last CPU activations and
-float16 a training-mode FusedBatchNormV3 whose y goes unused; see bnrewrite.passes.sites for
-the choice) are combined by `bnrewrite.statistics.global_moments` in one float64 all-reduce.
-A fused op stays, under its name, in inference mode fed the global moments, so Grappler still
-fuses a following ReLU into it; what the graph read of outputs 1-5 (moving averages, the
-gradient's reserve spaces) comes from an IdentityN `<op>/statistics` beside it, and reserve
-space 3 carries the global count N to sync_backward. With exponential_avg_factor != 1, inside
-function bodies, and for small float32 activations (normalized by two passes from the local
-deviations, which the IdentityN passes on for sync_backward), the op itself becomes an
-IdentityN of its name. Invariant: every consumer of the original op reads, under the same
-tensor name, what the training op would give for the global batch.
-Why each path, with figures: docs/performance-history.md ("Kernels or passes").
+What: the local moments (channels last, float32/float16: a training-mode FusedBatchNormV3 whose
+y goes unused; else elementwise passes) combine by `bnrewrite.statistics.global_moments`; the op
+stays, in inference mode fed the global mean and variance, and what read its outputs 1-5 reads
+the global tensors (reserve_space_2: the variance on the kernel path, else 1/std, for
+sync_backward). Why: the fewest nodes (docs/performance.md); Grappler still fuses a following
+ReLU. Invariant: every consumer reads what the training op would give for the global batch.
 """
 
 
@@ -23,12 +17,10 @@ from tensorflow.core.framework.node_def_pb2 import NodeDef
 
 from bnrewrite.functions import in_body
 from bnrewrite.graph import Graph
-from bnrewrite.names import tensor_name
 from bnrewrite.match.census import Site
 from bnrewrite.nodes import DT_DOUBLE, DT_FLOAT, MARK, Builder, DType, identity_n, set_attr
 from bnrewrite.passes.record import PassRecord
-from bnrewrite.passes.sites import (DEVIATIONS_ATTR, SiteContext, each_site, kernel_sized, passes_sized, static_counts,
-                                   statistics_node)
+from bnrewrite.passes.sites import SiteContext, each_site, static_counts, takes_kernels
 from bnrewrite.plan import Plan
 from bnrewrite.statistics import Local, centred_moments, global_moments
 
@@ -46,17 +38,16 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     controls = [i for i in node.input if i.startswith("^")]
     b = ctx.builder(site.name, "sync_bn", node.device)
     T, U = site.dtype, site.stat_dtype
-    small, deviations = passes_sized(ctx.graph, site, x), ""
     count, total = static_counts(ctx, 0, lambda copy: ctx.graph.node(copy.name).input[:2])
-    if kernel_sized(ctx.graph, site, x):
+    kernels = takes_kernels(site)
+    if kernels:
         local = _kernel_moments(b, x, scale, offset, site, count)
     else:
-        local, _, deviations = centred_moments(b, x, T, site.reduce_axes, site.channel_shape, keep_deviations=small, count=count)
+        local, _ = centred_moments(b, x, T, site.reduce_axes, site.channel_shape, count=count)
     moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower), total)
     mean, var = moments.mean, moments.variance
-    eps = b.const("epsilon", site.epsilon, np.float32)
-    rstd = b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", var, eps, F), F)
-
+    # reserve_space_2 holds what the gradient reads: the variance on the kernel path, else 1/std
+    spread = var if kernels else b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", var, b.const("epsilon", site.epsilon, np.float32), F), F)
     norm_attrs: dict[str, object] = {
         "epsilon": site.epsilon, "data_format": site.data_format, "is_training": False,
         "exponential_avg_factor": 1.0, "T": DType(T),
@@ -65,43 +56,33 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
         norm_attrs["U"] = DType(U)
     batch_mean = _blend(b, "batch_mean", mean, mean_in, site)
     batch_var = _blend(b, "batch_variance", moments.variance_unbiased, var_in, site)
-    statistics = [b.cast(f"out_{i}", t, F, U) for i, t in enumerate((batch_mean, batch_var, mean, rstd))]
-    if site.op == "FusedBatchNormV3":  # reserve_space_3: the global count, so gradients need not count again
-        statistics.append(b.cast("count_u", b.cast("count_float", moments.count, DT_DOUBLE, F), F, U))
-    if site.avg_factor == 1.0 and not in_body(site.name) and not small:
-        # The op stays, in inference mode, fed the global mean and Bessel-corrected variance
-        # (its outputs 1 and 2 pass them on, as the training op gave them) and a scale that
-        # makes up for the latter.
-        fed_var = moments.variance_unbiased
-        std_fed = b.unary("Sqrt", "std_fed", b.binary("AddV2", "variance_fed_eps", fed_var, eps, F), F)
-        scale_fed = b.binary("Mul", "scale_fed", b.cast("scale_f", scale, U, F), b.binary("Mul", "std_ratio", rstd, std_fed, F), F)
-        inputs = [x, b.cast("scale_u", scale_fed, F, U), offset, b.cast("mean_u", mean, F, U), b.cast("variance_u", fed_var, F, U)]
-        editor.replace(_marked(site.op, site.name, inputs + controls, node.device, key, norm_attrs))
-        _move_statistics(ctx, site.name, statistics + controls, U)
-    elif small:
-        # Normalized from the deviations the local moments took: the gradient reads them too.
-        shift = b.binary("Sub", "shift", mean, local.mean, F)
-        y = _normalize_by_passes(b, deviations, scale, offset, shift, rstd, U)
-        replaced = identity_n(site.name, [y, *statistics, deviations, shift, *controls],
-                              [T] + [U] * len(statistics) + [F, F], node.device, key)
-        set_attr(replaced, DEVIATIONS_ATTR, len(statistics) + 1)
-        editor.replace(replaced)
-    else:
-        y = b.node(site.op, "normalize", [x, scale, offset, b.cast("mean_u", mean, F, U), b.cast("variance_u", var, F, U)], **norm_attrs)
+    statistics = [b.cast(f"out_{i}", t, F, U) for i, t in enumerate((batch_mean, batch_var, mean, spread))]
+    if site.op == "FusedBatchNormV3":  # reserve_space_3: unused by the gradient (it knows or sums the count)
+        statistics.append(b.cast("empty_u", b.const("empty", np.zeros([0], np.float32), np.float32), F, U))
+    if site.avg_factor == 1.0 and not in_body(site.name):
+        # The op stays under its name, so that Grappler still fuses a following ReLU into it, and
+        # what it gives read by name is the training op's: fed the Bessel-corrected variance u,
+        # with its scale raised by sqrt((u + e') / (v + e)) to normalize by the biased v; e' = e
+        # N/(N-1) makes that the constant sqrt(N/(N-1)) when N is static. What read outputs 1-5
+        # reads the global tensors.
+        fed_var = statistics[1]
+        if total is not None:
+            norm_attrs["epsilon"] = site.epsilon * total / (total - 1.0)
+            ratio = b.const("root_bessel", np.sqrt(total / (total - 1.0)), np.float32)
+        else:
+            eps = b.const("epsilon", site.epsilon, np.float32)
+            ratio = b.unary("Sqrt", "std_ratio", b.binary("RealDiv", "variance_ratio", b.binary("AddV2", "fed_eps", fed_var, eps, F),
+                                                           b.binary("AddV2", "variance_eps", var, eps, F), F), F)
+        fed = [x, b.binary("Mul", "scale_fed", scale, ratio, U), offset, b.cast("mean_u", mean, F, U), fed_var]
+        editor.replace(_marked(site.op, site.name, fed + controls, node.device, key, norm_attrs))
+        _move_statistics(ctx, site.name, statistics)
+    else:  # an IdentityN of its name gives outputs 1-5 (blends; function bodies)
+        fed = [x, scale, offset, b.cast("mean_u", mean, F, U), b.cast("variance_u", var, F, U)]
+        y = b.node(site.op, "normalize", fed, **norm_attrs)
         editor.replace(identity_n(site.name, [y, *statistics, *controls], [T] + [U] * len(statistics), node.device, key))
     ctx.record.replaced.append(site.name)
     ctx.record.collectives.append(moments.collective)
     ctx.record.moments[site.name] = (mean, var)
-
-
-def _normalize_by_passes(b: Builder, deviations: str, scale: str, offset: str, shift: str, rstd: str, U: int) -> str:
-    """(x - mean) * gain + offset as deviations * gain + (offset - shift * gain), where the
-    deviations are x's from the tower's own mean and `shift` the global mean minus that:
-    two passes over float32 channels-last data, both terms centred (x * a + b would cancel at a
-    large |mean|/std)."""
-    gain = b.binary("Mul", "gain", b.cast("scale_f", scale, U, F), rstd, F)
-    bias = b.binary("Sub", "bias", b.cast("offset_f", offset, U, F), b.binary("Mul", "shift_gain", shift, gain, F), F)
-    return b.binary("AddV2", "normalize", b.binary("Mul", "scaled", deviations, gain, F), bias, F)
 
 
 def _marked(op: str, name: str, inputs: list[str], device: str, key: str, attrs: dict[str, object]) -> NodeDef:
@@ -113,32 +94,26 @@ def _marked(op: str, name: str, inputs: list[str], device: str, key: str, attrs:
     return node
 
 
-def _move_statistics(ctx: SiteContext, site: str, inputs: list[str], dtype: int) -> None:
-    """Outputs 1-5 of `site` move to an IdentityN beside it, of `inputs` (the new outputs,
-    then the op's control edges): whatever read them reads that. The op's output 0 keeps
-    only its own consumers (usually a Relu), so that Grappler's remapper fuses the two on
-    CPU as it did the training op: it fuses no op whose other outputs are read."""
-    moved = ctx.editor.unique_name(statistics_node(site))
-    outputs = [i for i in inputs if not i.startswith("^")]
-    ctx.editor.add(identity_n(moved, inputs, [dtype] * len(outputs), ctx.graph.node(site).device, ctx.key))
-    for output in range(1, len(outputs) + 1):
+def _move_statistics(ctx: SiteContext, site: str, statistics: list[str]) -> None:
+    """Whatever read outputs 1-5 of `site` reads `statistics` instead. The op's output 0 keeps
+    only its own consumers (usually a Relu), so that Grappler's remapper fuses the two on CPU as
+    it did the training op: it fuses no op whose other outputs are read."""
+    for output, tensor in enumerate(statistics, start=1):
         for edge in ctx.graph.consumers_of(site, output):
-            ctx.editor.mutable(edge.consumer).input[edge.slot] = tensor_name(moved, output - 1)
+            ctx.editor.mutable(edge.consumer).input[edge.slot] = tensor
 
 
 def _kernel_moments(b: Builder, x: str, scale: str, offset: str, site: Site, count: int | None) -> Local:
-    """The local moments from a training-mode FusedBatchNormV3 (channels last): M2 = n - 1
-    times its Bessel-corrected batch variance; n is `count` when static."""
-    empty = b.const("empty_float", np.zeros([0], np.float32), np.float32)
+    """The local moments from a training-mode FusedBatchNormV3 (channels last), whose y goes
+    unused: its mean, and its Bessel-corrected variance, n - 1 times which is M2."""
+    empty = b.const("empty", np.zeros([0], np.float32), np.float32)
     local = b.node("FusedBatchNormV3", "local_moments", [x, scale, offset, empty, empty], epsilon=site.epsilon,
                    data_format="NHWC", is_training=True, exponential_avg_factor=1.0, T=DType(site.dtype), U=DType(F))
-    if count is None:
-        n = b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, DT_DOUBLE)
-        n_minus_one = b.binary("Sub", "count_minus_one", n, b.const("one64", 1.0, np.float64), DT_DOUBLE)
-    else:
-        n, n_minus_one = b.const("count", [float(count)], np.float64), b.const("count_minus_one", [count - 1.0], np.float64)
-    m2 = b.binary("Mul", "local_m2_64", b.cast("local_variance64", f"{local}:2", F, DT_DOUBLE), n_minus_one, DT_DOUBLE)
-    return Local(n, f"{local}:1", m2)
+    if count is not None:
+        return Local(count, f"{local}:1", f"{local}:2", count - 1.0)
+    n = b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, DT_DOUBLE)
+    n_minus_one = b.unary("Relu", "count_minus_one", b.binary("Sub", "count_less_one", n, b.const("one64", 1.0, np.float64), DT_DOUBLE), DT_DOUBLE)
+    return Local(n, f"{local}:1", f"{local}:2", n_minus_one)  # n - 1, and 0 for a tower of no examples
 
 
 def _blend(b: Builder, name: str, value: str, running: str, site: Site) -> str:

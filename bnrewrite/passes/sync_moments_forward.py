@@ -34,7 +34,7 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     node = graph.node(site.name)
     b = ctx.builder(site.name, "sync_moments", node.device)
     work = working_dtype(site)
-    local, local_sum, _ = centred_moments(b, node.input[0], site.dtype, site.reduce_axes, None, work=work)
+    local, local_sum = centred_moments(b, node.input[0], site.dtype, site.reduce_axes, None, work=work)
     moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower), work=work)
     shape = b.node("Shape", "keep_dims_shape", [local_sum], T=DType(work), out_type=DType(DT_INT32))
     for name, value in ((site.name, moments.mean), (site.variance, moments.variance)):
