@@ -27,7 +27,7 @@ from bnrewrite.errors import (
 from bnrewrite.graph import Graph
 from bnrewrite.graph_assembly import copy_fields
 from bnrewrite.names import tensor_name
-from bnrewrite.match.live_work import NOT_RUN, not_run, steps
+from bnrewrite.match.live_work import NOT_RUN, Walks, not_run, steps
 from bnrewrite.match.census import Census, Site
 from bnrewrite.match.sites import normalization, scan
 from bnrewrite.nodes import MARK
@@ -323,11 +323,12 @@ def take_census(model: Graph) -> tuple[Graph, functions.Bodies | None, Census]:
         )
     if bodies is not None:
         functions.adopt_sites(combined, bodies, census, functions.called_functions(model))
-    census.not_run = not_run(combined, census.sites)
+    walks = Walks(combined)
+    census.not_run = not_run(combined, census.sites, walks)
     if census.not_run:
         idle = {skip.node for skip in census.not_run}
         census.sites = [site for site in census.sites if site.name not in idle]
-    census.steps = steps(combined, census.sites, {b.prefix: b.caller for b in bodies.bodies} if bodies else {})
+    census.steps = steps(combined, census.sites, {b.prefix: b.caller for b in bodies.bodies} if bodies else {}, walks)
     return combined, bodies, census
 
 
