@@ -29,7 +29,7 @@ from bnrewrite.errors import (
 from bnrewrite.graph import Graph
 from bnrewrite.graph_assembly import copy_fields
 from bnrewrite.names import tensor_name
-from bnrewrite.match.live_work import NOT_RUN, gradient_callers, not_run, one_tower_steps, steps
+from bnrewrite.match.live_work import NOT_RUN, Walks, gradient_callers, not_run, one_tower_steps, steps
 from bnrewrite.match.census import Census, Site
 from bnrewrite.match.sites import normalization, scan
 from bnrewrite.match.towers import tower_map
@@ -336,11 +336,12 @@ def _census(model: Graph, aliases: Mapping[str, Mapping[str, str]] | None = None
         )
     if bodies is not None:
         functions.adopt_sites(combined, bodies, census, functions.called_functions(model))
-    census.not_run = not_run(combined, census.sites)
+    walks = Walks(combined)
+    census.not_run = not_run(combined, census.sites, walks)
     if census.not_run:
         idle = {skip.node for skip in census.not_run}
         census.sites = [site for site in census.sites if site.name not in idle]
-    census.steps = steps(combined, census.sites, _callers(bodies))
+    census.steps = steps(combined, census.sites, _callers(bodies), walks)
     return combined, bodies, census
 
 

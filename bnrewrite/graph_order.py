@@ -74,6 +74,29 @@ class GraphOrder:
                     stack.append(reader)
         return below
 
+    def upstream(self, ends: Iterable[str], known: set[str] | frozenset[str] = frozenset()) -> set[str]:
+        """`ends` and every node they read, transitively (data or control edges); with `known`,
+        nodes found before that hold everything they read: in the result, not walked again.
+
+        The walk goes through every node's inputs: names parsed inline (`parse_input` only for
+        an input naming an output), nodes looked up by position."""
+        nodes, node_at = self._nodes, self._node_at  # type: ignore[attr-defined]
+        above = set(known)
+        stack = [name for name in ends if name not in above]
+        above.update(stack)
+        while stack:
+            for spec in node_at(nodes[stack.pop()]).input:
+                if spec.startswith("^"):
+                    src = spec[1:]
+                elif ":" in spec:
+                    src = parse_input(spec)[0]
+                else:
+                    src = spec
+                if src not in above:
+                    above.add(src)
+                    stack.append(src)
+        return above
+
     def ancestors_among(self, names: Iterable[str], candidates: Iterable[str]) -> dict[str, set[str]]:
         """For each of `names`, the `candidates` it runs after (`depends_on` for every pair).
 
@@ -213,9 +236,12 @@ class GraphOrder:
             number, name = heapq.heappop(heap)
             if number != numbering[name]:
                 continue  # raised since it was queued: its inputs were in place then
-            inputs = changed.get(name) or map(parse_input, self.node(name).input)
-            forward = (numbering.get(src, -1) for src, _ in inputs if self.node(src).op not in _LOOP_BACK_OPS)
-            least = 1 + max(forward, default=-1)
+            top = -1  # the greatest number among its inputs but loop back-edges, where it is >= number
+            for src, _ in changed.get(name) or map(parse_input, self.node(name).input):
+                src_number = numbering.get(src, -1)  # a back-edge's op looked up only where it would count
+                if src_number >= number and src_number > top and self.node(src).op not in _LOOP_BACK_OPS:
+                    top = src_number
+            least = top + 1
             if least <= number:
                 continue
             budget -= 1

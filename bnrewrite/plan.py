@@ -24,7 +24,7 @@ from bnrewrite.match.replicas import trained_apart
 from bnrewrite.match.census import Census, Site, Skip
 from bnrewrite.match.live_work import partial_step, trained_alone
 from bnrewrite.match.towers import LayerGroup, Towers, group_towers, tower_map
-from bnrewrite.match.updates import direct_updates, find_updates
+from bnrewrite.match.updates import Searched, direct_updates, find_updates
 
 #: Instance keys of one layer: 0 is the forward all-reduce, 1.. its gradients.
 KEYS_PER_LAYER = 16
@@ -88,13 +88,14 @@ class Plan:
 
 def make_plan(graph: Graph, census: Census, options: Options) -> Plan:
     _set_aside_one_device_steps(census, options.tower_by)
-    direct = {s.name: direct_updates(graph, s.statistics) for s in census.sites}
+    searched: Searched = {}  # each site's first searches, made once for both
+    direct = {s.name: direct_updates(graph, s.statistics, searched) for s in census.sites}
     reached: dict[str, int] = {}  # update -> how many sites reach it directly
     for updates in direct.values():
         for update in updates:
             reached[update] = reached.get(update, 0) + 1
-    sites = [_with_updates(graph, s, lambda update, own=direct[s.name]: reached.get(update, 0) > (update in own))
-             for s in census.sites]  # grouping reads the updated variables
+    sites = [_with_updates(graph, s, lambda update, own=direct[s.name]: reached.get(update, 0) > (update in own),
+                           searched) for s in census.sites]  # grouping reads the updated variables
     try:
         towers = group_towers(graph, sites, options.tower_by, min_towers=1 if options.num_workers > 1 else 2)
     except (NoTowersError, TowerMismatchError) as exc:
@@ -197,6 +198,6 @@ def plan_without_shared_body_updates(graph: Graph, census: Census, options: Opti
     return make_plan(graph, census, options)
 
 
-def _with_updates(graph: Graph, site: Site, elsewhere: Callable[[str], bool]) -> Site:
-    updates, opaque = find_updates(graph, site.statistics, elsewhere)
+def _with_updates(graph: Graph, site: Site, elsewhere: Callable[[str], bool], searched: Searched | None = None) -> Site:
+    updates, opaque = find_updates(graph, site.statistics, elsewhere, searched)
     return replace(site, updates=updates, opaque=opaque)

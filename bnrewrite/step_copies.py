@@ -24,7 +24,6 @@ from tensorflow.core.framework import function_pb2, node_def_pb2
 
 from bnrewrite.graph import Graph
 from bnrewrite.graph_edit import Editor
-from bnrewrite.match.live_work import upstream
 from bnrewrite.names import parse_input
 from bnrewrite.nodes import outer_node
 
@@ -57,8 +56,8 @@ def copy_steps(graph: Graph, alone: Mapping[str, frozenset[str]], steps: Mapping
         library.CopyFrom(graph.library)
     backward = graph.downstream(grads)
     for number, (step, sites) in enumerate(sorted(alone.items())):
-        others = upstream(graph, *(end for end in steps if end != step))
-        ran = upstream(graph, step)
+        others = graph.upstream(end for end in steps if end != step)
+        ran = graph.upstream((step,))
         shared = graph.downstream({outer_node(site) for site in sites}) - backward - (ran ^ others)
         bad = next((name for name in sorted(shared) if graph.node(name).op in NOT_COPIED), "")
         if bad:

@@ -66,14 +66,15 @@ def _chained(graph: Graph, sites: list[Site], tower: dict[str, str], ids: list[s
         for name in (s.name, s.variance):
             if name:
                 marks[outer_node(name)] = marks.get(outer_node(name), 0) | 1 << index[tower[s.name]]
-    masks: dict[str, int] = {}  # node -> the towers whose batch norms it reads, directly or not
-    reached, consumers = set(marks), graph.consumers
+    # node -> the towers whose batch norms it reads, directly or not (data or control edges: a wait
+    # on another tower's batch norm), pushed to its readers: a node's whole mask is known when the
+    # order comes to it (an edge against the order, a loop's back-edge, carries nothing)
+    upstream_of: dict[str, int] = dict.fromkeys(marks, 0)
+    consumers = graph.consumers
     for name in graph.topological_order():
-        if name not in reached:
+        upstream = upstream_of.get(name)
+        if upstream is None:
             continue
-        upstream = 0
-        for spec in graph.node(name).input:  # control inputs too: a wait on another tower's batch norm
-            upstream |= masks.get(parse_input(spec)[0], 0)
         other = upstream & ~marks.get(name, -1)
         if other:
             fed = next(s for s in sites if name in (outer_node(s.name), outer_node(s.variance or s.name)))
@@ -84,8 +85,8 @@ def _chained(graph: Graph, sites: list[Site], tower: dict[str, str], ids: list[s
                     "taken for towers)")
         mask = upstream | marks.get(name, 0)
         if mask:
-            masks[name] = mask
-            reached.update(consumers.get(name, ()))
+            for reader in consumers.get(name, ()):
+                upstream_of[reader] = upstream_of.get(reader, 0) | mask
     return ""
 
 

@@ -18,8 +18,8 @@ that runs the batch norms of some towers but not of the others (Keras' template 
 one device after the multi-tower fit) would wait in every all-reduce for the towers it does not
 run (`trained_alone`).
 
-Invariant: a site with a gradient of its own is always live. Two walks over the graph, linear;
-the steps' sites: one walk up per step.
+Invariant: a site with a gradient of its own is always live. Walks over the graph, linear: one
+down from the gradients, one up per step, shared by both (`Walks`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from bnrewrite.graph import Graph
-from bnrewrite.names import parse_input
 from bnrewrite.match.census import Site, Skip
 from bnrewrite.match.updates import writes
 from bnrewrite.nodes import BODY_MARK, outer_node
@@ -36,27 +35,59 @@ NOT_RUN = ("no training step runs it (nothing downstream of a gradient depends o
            "Keras model on its own Input, an unused branch or copy); not a tower, left as it is")
 
 
-def not_run(graph: Graph, sites: list[Site]) -> list[Skip]:
+class Walks:
+    """The walks `not_run` and `steps` share over one graph, each taken once: the work downstream of
+    a set of gradients, the steps that work ends in, and what each step reads (upstream). Each
+    step's reads are read by everything upstream of it: the live nodes start from their union."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self._work: dict[frozenset[str], tuple[set[str], list[str]]] = {}
+        self._above: dict[str, set[str]] = {}
+
+    def work(self, grads: set[str]) -> tuple[set[str], list[str]]:
+        """The nodes downstream of `grads` and, in name order, the steps among what their variable
+        writes lead to: nodes nothing reads, of the main graph."""
+        key = frozenset(grads)
+        if key not in self._work:
+            graph = self.graph
+            work = graph.downstream(grads)
+            ends = graph.downstream({name for name in work if writes(graph.node(name).op)})
+            consumers = graph.consumers
+            self._work[key] = work, sorted(n for n in ends if not consumers.get(n) and outer_node(n) == n)
+        return self._work[key]
+
+    def above(self, end: str) -> set[str]:
+        """`end` and every node it reads (shared: never change it)."""
+        if end not in self._above:
+            self._above[end] = self.graph.upstream((end,))
+        return self._above[end]
+
+
+def not_run(graph: Graph, sites: list[Site], walks: Walks | None = None) -> list[Skip]:
     """The sites no gradient step runs, each with why (empty when the graph has no gradients)."""
     grads = {outer_node(g) for s in sites for g in (*s.grads, *s.variance_grads)}
     if not grads:
         return []
-    live = upstream(graph, *graph.downstream(grads))
+    walks = walks or Walks(graph)
+    work, ends = walks.work(grads)
+    read = set().union(*map(walks.above, ends))  # the steps are in `work`: all they read is live
+    live = graph.upstream(work - read, read)
     return [Skip(s.name, NOT_RUN) for s in sites if outer_node(s.name) not in live]
 
 
-def steps(graph: Graph, sites: list[Site], callers: Mapping[str, str]) -> dict[str, frozenset[str]]:
+def steps(graph: Graph, sites: list[Site], callers: Mapping[str, str],
+          walks: Walks | None = None) -> dict[str, frozenset[str]]:
     """Each training step -> the sites it runs. A step is a node downstream of a variable write that
     reads a batch-norm gradient and that nothing reads (the train op, a fetch waiting on it). A node
     inside a flattened branch function counts as the If that calls it (`callers`: body prefix -> If;
     a gradient body's is the gradient If, whose outputs feed the optimizer, not the moving
     averages). Empty without such writes."""
-    work = graph.downstream(gradient_callers(sites, callers))
-    ends = graph.downstream({name for name in work if writes(graph.node(name).op)})
-    consumers = graph.consumers
+    walks = walks or Walks(graph)
+    _, ends = walks.work(gradient_callers(sites, callers))
     found = {}
-    for end in sorted(name for name in ends if not consumers.get(name) and outer_node(name) == name):
-        above = upstream(graph, end)
+    for end in ends:
+        above = walks.above(end)
         found[end] = frozenset(s.name for s in sites if outer_node(s.name) in above)
     return found
 
@@ -73,18 +104,6 @@ def _caller(name: str, callers: Mapping[str, str]) -> str:
         return name
     end = name.find("/", start + len(BODY_MARK))
     return callers.get(name[:end] if end >= 0 else name, name[:start])
-
-
-def upstream(graph: Graph, *ends: str) -> set[str]:
-    """`ends` and every node they read, transitively (data or control edges)."""
-    above, stack = set(ends), list(ends)
-    while stack:
-        for spec in graph.node(stack.pop()).input:
-            src = parse_input(spec)[0]
-            if src not in above:
-                above.add(src)
-                stack.append(src)
-    return above
 
 
 def _main_step(tower: Mapping[str, str], runs: Mapping[str, frozenset[str]]) -> tuple[dict[str, frozenset[str]], str]:

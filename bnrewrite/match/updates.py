@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from bnrewrite.graph import Graph
@@ -30,10 +31,13 @@ _STATELESS = frozenset({"StatelessIf", "StatelessCase", "StatelessWhile"})
 #: Prefixes of the ops that write a variable's elements in place.
 _SCATTER_PREFIXES = ("Scatter", "ResourceScatter", "ResourceStridedSliceAssign", "StridedSliceAssign")
 _FOLLOWED = ASSIGN_OPS | _ARITHMETIC | _FUNCTIONAL
+#: Searches for updates, by their starts: what they met (`_search`), kept to be used again.
+Searched = dict[tuple[tuple[str, int | None], ...], tuple[list[tuple[str, str | None]], set[str]]]
 
 
 def find_updates(
     graph: Graph, statistics: list[tuple[str, int, str]], elsewhere: Callable[[str], bool] = lambda update: False,
+    searched: Searched | None = None,
 ) -> tuple[tuple[Update, ...], tuple[str, ...]]:
     """Assign ops whose value depends on the (node, output, statistic name) tensors given,
     also through the value an update leaves (the output of a ref-variable assign, or a read of
@@ -46,13 +50,14 @@ def find_updates(
 
     `elsewhere(update)`: other sites' statistics reach it directly (`direct_updates`). Met only
     through an update's value, such an update is those sites' (a network applied twice whose
-    second application waits on the first's updates): neither kept nor followed."""
+    second application waits on the first's updates): neither kept nor followed.
+    `searched`: the searches `direct_updates` made, whose first steps are these."""
     found: dict[str, Update] = {}
     opaque: set[str] = set()
     for site, output, statistic in statistics:
         starts, derived = [(site, output)], False
         while starts:
-            new = _updates_from(graph, starts, statistic, found, opaque)
+            new = _updates_from(graph, starts, statistic, found, opaque, searched)
             if derived:
                 for update in [update for update in new if elsewhere(update)]:
                     del found[update]
@@ -65,11 +70,12 @@ def find_updates(
     return tuple(sorted(found.values(), key=lambda u: u.node)), tuple(sorted(o for o in opaque if _may_hide_updates(graph, o)))
 
 
-def direct_updates(graph: Graph, statistics: list[tuple[str, int, str]]) -> set[str]:
-    """The assign ops a few elementwise ops from the statistics themselves (no update's value between)."""
+def direct_updates(graph: Graph, statistics: list[tuple[str, int, str]], searched: Searched | None = None) -> set[str]:
+    """The assign ops a few elementwise ops from the statistics themselves (no update's value between);
+    the searches kept in `searched` for `find_updates`."""
     found: dict[str, Update] = {}
     for site, output, statistic in statistics:
-        _updates_from(graph, [(site, output)], statistic, found, set())
+        _updates_from(graph, [(site, output)], statistic, found, set(), searched)
     return set(found)
 
 
@@ -86,10 +92,30 @@ def _may_hide_updates(graph: Graph, functional: str) -> bool:
 
 def _updates_from(
     graph: Graph, starts: list[tuple[str, int | None]], statistic: str, found: dict[str, Update], opaque: set[str],
+    searched: Searched | None = None,
 ) -> list[str]:
     """Add to `found` the assign ops a few elementwise ops away from `starts` (and to `opaque`
-    the functional ops met); the new updates."""
+    the functional ops met); the new updates. The search itself is kept in `searched`, if given."""
+    key = tuple(starts)
+    met = searched.get(key) if searched is not None else None
+    if met is None:
+        met = _search(graph, starts)
+        if searched is not None:
+            searched[key] = met
+    assigns, functional = met
+    opaque.update(functional)
     new = []
+    for name, variable in assigns:
+        if variable is not None and name not in found:
+            found[name] = Update(name, variable, statistic)
+            new.append(name)
+    return new
+
+
+def _search(graph: Graph, starts: list[tuple[str, int | None]]) -> tuple[list[tuple[str, str | None]], set[str]]:
+    """The assign ops a few elementwise ops away from `starts` as met (each with its variable,
+    None where none resolves; once per edge that meets it), and the functional ops met."""
+    assigns, functional = [], set()
     frontier, seen = starts, set()
     for _ in range(_MAX_DEPTH):
         nxt = []
@@ -97,17 +123,14 @@ def _updates_from(
             for edge in graph.consumers_of(node, out, ops=_FOLLOWED):
                 consumer = graph.node(edge.consumer)
                 if consumer.op in ASSIGN_OPS and edge.slot == 1:
-                    variable = resolve_variable(graph, graph.producer(consumer.name, 0)[0])
-                    if variable is not None and consumer.name not in found:
-                        found[consumer.name] = Update(consumer.name, variable, statistic)
-                        new.append(consumer.name)
+                    assigns.append((consumer.name, resolve_variable(graph, graph.producer(consumer.name, 0)[0])))
                 elif consumer.op in _FUNCTIONAL:
-                    opaque.add(consumer.name)
+                    functional.add(consumer.name)
                 elif consumer.op in _ARITHMETIC and consumer.name not in seen:
                     seen.add(consumer.name)
                     nxt.extend((consumer.name, i) for i in range(2 if consumer.op == "Switch" else 1))
         frontier = nxt
-    return new
+    return assigns, functional
 
 
 def may_write_variables(graph: Graph, node: object) -> bool:
@@ -144,6 +167,7 @@ def _functions_of(node: object) -> list[str]:
     return names
 
 
+@functools.cache  # one answer per op type: asked of every node of a step's work
 def writes(op: str) -> bool:
     """Whether an op of type `op` writes a variable (assigns, optimizers' updates, scatters)."""
     return op in ASSIGN_OPS or op.startswith(_APPLY_PREFIXES) or op.startswith(_SCATTER_PREFIXES)
