@@ -114,8 +114,6 @@ def test_verify_checks_the_training_step_not_a_summary_threads_fetch(runs):
     assert "moving statistics updated once" in stderr and "bnrewrite: error" not in stderr
 
 
-@pytest.mark.xfail(strict=False, reason="known bug (issue 49's note, 2026-11-28): under --verify a summary run "
-                   "overlapping the checked first step with reference variables may train it differently (1.1e-3)")
 def test_summary_threads_trainers_under_verify_train_like_one_device(runs):
     out, _, _ = runs
     for name in ("supervisor", "slim"):

@@ -5,7 +5,9 @@ tower by one all-reduce. Channels last (float32, float16): an inference-mode Fus
 gives scale * rstd * dy and the local sums, an inference-mode FusedBatchNormV3 the correction;
 else elementwise passes. Why: the fewest nodes and launches (docs/performance.md). N is a
 constant when static, else the all-reduce carries the counts. Invariant: the gradient op becomes
-an IdentityN of its name; d(scale), d(offset) stay tower-local and leave with dx.
+an IdentityN of its name; d(scale), d(offset) stay tower-local; every op added here that reads
+the scale runs before d(scale) by data edges (a reference variable's read aliases the buffer its
+update writes in place, and Grappler drops control edges: tests/test_variable_reads.py).
 """
 
 from __future__ import annotations
@@ -53,11 +55,16 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     dyf = b.cast("dy_float", dy, T, F)
     rstd = b.cast("rstd", saved_rstd, U, F)
     sum_dy = b.reduce_sum("sum_dy", dyf, axes, F, False)
-    gain = b.binary("Mul", "gain", b.cast("scale", scale, U, F), rstd, F)
-    dy_gain = b.binary("Mul", "dy_gain", dyf, b.per_channel("gain_b", gain, shape, F), F)
     mean = b.per_channel("mean_b", b.cast("mean", saved_mean, U, F), shape, F)
     centred = b.binary("Sub", "centred", b.cast("x_float", x, T, F), mean, F)
     sum_dy_xc = b.reduce_sum("sum_dy_xc", b.binary("Mul", "dy_xc", dyf, centred, F), axes, F, False)
+    # scale * rstd and d(scale) = sum(dy * (x - mean)) * rstd by one product, so that d(scale)
+    # comes after every read of the scale by data (module docstring)
+    products = b.binary("Mul", "rstd_products", b.node("Pack", "scale_and_sum", [b.cast("scale", scale, U, F), sum_dy_xc],
+                                                           T=DType(F), N=2, axis=0), rstd, F)
+    unpacked = b.node("Unpack", "gain", [products], T=DType(F), num=2, axis=0)
+    gain, dscale_float = unpacked, f"{unpacked}:1"
+    dy_gain = b.binary("Mul", "dy_gain", dyf, b.per_channel("gain_b", gain, shape, F), F)
     collective = ctx.plan.collective(ctx.layer, phase, ctx.tower)
     rstd_sq = b.binary("Mul", "rstd_sq", rstd, rstd, F)
     static = _static_total(ctx, phase)
@@ -83,7 +90,7 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     dy_gain_minus_xc = b.binary("Sub", "dy_gain_minus_xc", dy_gain, b.binary("Mul", "xc_proj", centred, xc_gain, F), F)
     constant = b.per_channel("constant_b", b.binary("Mul", "constant", b.unary("Neg", "minus_mean_dy", mean_dy, F), gain, F), shape, F)
     dx = b.cast("dx", b.binary("AddV2", "dx_float", dy_gain_minus_xc, constant, F), F, T)
-    dscale = b.cast("dscale_stat", b.binary("Mul", "dscale_float", sum_dy_xc, rstd, F), F, U)
+    dscale = b.cast("dscale_stat", dscale_float, F, U)
     _replace(grad, b, dx, dscale, b.cast("doffset_stat", sum_dy, F, U), controls, site, ctx)
 
 
@@ -97,8 +104,13 @@ def _rewrite_grad_with_kernels(grad: str, site: Site, ctx: SiteContext, phase: i
     b = ctx.builder(grad, "sync_bn_grad", ctx.graph.node(site.name).device)
     attrs = {"epsilon": site.epsilon, "data_format": "NHWC", "T": DType(site.dtype), "U": DType(F)}
     empty = b.const("empty", np.zeros([0], np.float32), np.float32)
-    local = b.node("FusedBatchNormGradV3", "local", [dy, x, scale, mean, variance, empty], is_training=False, **attrs)
-    sum_dy_xhat, sum_dy = f"{local}:1", f"{local}:2"
+    rstd = b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", variance, b.const("epsilon", site.epsilon, np.float32), F), F)
+    gain = b.binary("Mul", "gain", scale, rstd, F)
+    # fed gain and a unit variance (epsilon 0), the kernel reads the scale only through gain, so
+    # d(scale) = sum(dy * (x - mean)) * rstd comes after every read of the scale by data
+    unit = b.const("ones", np.ones([site.channels], np.float32), np.float32) if site.channels else b.unary("OnesLike", "ones", rstd, F)
+    local = b.node("FusedBatchNormGradV3", "local", [dy, x, gain, mean, unit, empty], is_training=False, **{**attrs, "epsilon": 0.0})
+    sum_dy_xhat, sum_dy = b.binary("Mul", "sum_dy_xhat", f"{local}:1", rstd, F), f"{local}:2"
     collective = ctx.plan.collective(ctx.layer, phase, ctx.tower)
     static = _static_total(ctx, phase)
     if static is not None:
@@ -111,8 +123,7 @@ def _rewrite_grad_with_kernels(grad: str, site: Site, ctx: SiteContext, phase: i
         sums = b.node("Pack", "global_sums", pair, T=DType(F), N=2, axis=0)
         per_example = b.unary("Neg", "minus_reciprocal_total", b.unary("Reciprocal", "reciprocal_total", total, F), F)
     ctx.record.collectives.append(reduced)
-    rstd = b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", variance, b.const("epsilon", site.epsilon, np.float32), F), F)
-    factor = b.binary("Mul", "minus_gain_per_example", b.binary("Mul", "gain", scale, rstd, F), per_example, F)
+    factor = b.binary("Mul", "minus_gain_per_example", gain, per_example, F)
     corrections = b.node("Unpack", "corrections", [b.binary("Mul", "scaled_sums", sums, factor, F)], T=DType(F), num=2, axis=0)
     correction = b.node("FusedBatchNormV3", "correction", [x, corrections, f"{corrections}:1", mean, variance],
                         exponential_avg_factor=1.0, is_training=False, **attrs)
@@ -122,11 +133,8 @@ def _rewrite_grad_with_kernels(grad: str, site: Site, ctx: SiteContext, phase: i
 
 def _replace(grad: str, b: Builder, dx: str, dscale: str, doffset: str, controls: list[str], site: Site, ctx: SiteContext) -> None:
     """The gradient op becomes an IdentityN of (dx, d(scale), d(offset), empty reserve spaces).
-
-    d(scale) and d(offset) wait for dx, as they did inside the fused kernel (an IdentityN emits
-    its outputs together, and Grappler removes none of more than one input): with reference
-    variables `scale` aliases the variable's buffer, which the optimizer's update of the scale
-    (fed by d(scale)) would otherwise be free to overwrite before dx has read it."""
+    Its consumers keep their names; the order d(scale) needs comes from its own inputs: in the
+    step Grappler makes, the IdentityN no longer holds d(scale) back until dx is done."""
     T, U = site.dtype, site.stat_dtype
     empty = b.cast("empty_u", b.const("empty", np.zeros([0], np.float32), np.float32), F, U)
     ctx.editor.replace(identity_n(grad, [dx, dscale, doffset, empty, empty] + controls, [T, U, U, U, U], b.device, ctx.key))

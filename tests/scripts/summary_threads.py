@@ -10,9 +10,10 @@ global batch of N examples split over T towers, in graphs of their own:
 The summary thread's run is forward-only: the inputs are constants, so it takes no batch from the
 training loop, and whenever it runs, the variables after the steps are the same. Each loop waits
 SETUP seconds before its first step (as a trainer setting up its input would), so that the
-summary thread's first run comes first: 0.5 s did not suffice on 2 loaded cores, and a summary
-run overlapping the first step under --verify trained that step differently (5.0e-4 from one
-device in 3 of 6 runs, reference variables; never without --verify: a known bug, issue 49's note).
+summary thread's run and the first steps overlap on a loaded machine. With reference variables
+that overlap once let the optimizer's update of gamma land before the synchronized backward read
+it (1.1e-3 from one device in 1 of 3 runs, under load, with or without --verify): the rewrite
+now orders those reads by data (tests/test_variable_reads.py).
 `python summary_threads.py OUT N T...` writes OUT/<trainer>_<T>.npz for each T, every global variable.
 """
 
@@ -31,7 +32,7 @@ import multi_gpu_train as trainer  # noqa: E402
 
 tf1 = tf.compat.v1
 STEPS, SIZE = 3, 4
-SETUP = 3.0
+SETUP = 0.5
 
 
 def _data(examples: int) -> tuple[np.ndarray, np.ndarray]:
