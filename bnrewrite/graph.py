@@ -275,7 +275,7 @@ class Graph(GraphOrder, GraphAssembly):
     def static_elements(self, spec: str) -> int | None:
         """The number of elements of tensor `spec` when its static shape is fully known (see
         static_shape), else None."""
-        from bnrewrite.shapes import elements  # shapes reads the graph model's inputs
+        from bnrewrite.shape_rules import elements
 
         return elements(self.static_shape(spec))
 
@@ -286,7 +286,7 @@ class Graph(GraphOrder, GraphAssembly):
         src, output = parse_input(spec)
         if output < 0 or src not in self._nodes:
             return None
-        from bnrewrite.shapes import from_proto
+        from bnrewrite.shape_rules import from_proto
 
         attrs = self.node(src).attr
         if "_output_shapes" in attrs:  # (reading a missing key would add it)
