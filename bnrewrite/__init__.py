@@ -54,8 +54,8 @@ __all__ = [
 
 #: Public name -> the module defining it.
 _LAZY = {
-    "rewrite_graph": "bnrewrite.entry", "RewriteResult": "bnrewrite.api", "check": "bnrewrite.selfcheck",
-    "enable": "bnrewrite.sessions", "disable": "bnrewrite.sessions", "enabled": "bnrewrite.sessions",
+    "rewrite_graph": "bnrewrite.entry", "RewriteResult": "bnrewrite.rewrite.api", "check": "bnrewrite.rewrite.selfcheck",
+    "enable": "bnrewrite.session.sessions", "disable": "bnrewrite.session.sessions", "enabled": "bnrewrite.session.sessions",
 }
 
 

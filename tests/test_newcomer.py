@@ -11,8 +11,8 @@ import pytest
 import tensorflow as tf
 
 from bnrewrite import BnRewriteError, ForeignGraphError, rewrite_graph
-from bnrewrite.report import REMOVED_SHOWN
-from bnrewrite.selfcheck import CaseResult, CheckReport
+from bnrewrite.rewrite.report import REMOVED_SHOWN
+from bnrewrite.rewrite.selfcheck import CaseResult, CheckReport
 from models import Spec, build_towers, session_config
 
 tf1 = tf.compat.v1
@@ -109,7 +109,7 @@ def test_matching_imports_only_downwards():
     import ast
     import pathlib
 
-    above = ("bnrewrite.functions", "bnrewrite.passes", "bnrewrite.io", "bnrewrite.api", "bnrewrite.cli", "bnrewrite.plan")
+    above = ("bnrewrite.rewrite.functions", "bnrewrite.rewrite.passes", "bnrewrite.io", "bnrewrite.rewrite.api", "bnrewrite.cli", "bnrewrite.rewrite.plan")
     for path in sorted(pathlib.Path(ROOT, "bnrewrite", "match").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
