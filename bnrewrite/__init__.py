@@ -52,9 +52,10 @@ __all__ = [
     "rewrite_graph",
 ]
 
+#: Public name -> the module defining it.
 _LAZY = {
-    "rewrite_graph": "entry", "RewriteResult": "api", "check": "selfcheck",
-    "enable": "sessions", "disable": "sessions", "enabled": "sessions",
+    "rewrite_graph": "bnrewrite.entry", "RewriteResult": "bnrewrite.rewrite.api", "check": "bnrewrite.rewrite.selfcheck",
+    "enable": "bnrewrite.session.sessions", "disable": "bnrewrite.session.sessions", "enabled": "bnrewrite.session.sessions",
 }
 
 
@@ -62,7 +63,7 @@ def __getattr__(name: str) -> object:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(f"bnrewrite.{_LAZY[name]}"), name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'bnrewrite' has no attribute {name!r}")
 
 

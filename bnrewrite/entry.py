@@ -2,7 +2,7 @@
 
 `rewrite_graph(g, in_place=True)` on a tf.Graph is a promise about sessions (every session
 created on `g` afterwards runs the rewritten graph), so it goes to the session layer
-(`bnrewrite.sessions`); everything else is a rewrite of protobufs (`bnrewrite.api`), which knows
+(`bnrewrite.session.sessions`); everything else is a rewrite of protobufs (`bnrewrite.rewrite.api`), which knows
 nothing of sessions. The arguments and the docstring are the API's.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from bnrewrite import api, sessions
+from bnrewrite.rewrite import api
+from bnrewrite.session import sessions
 
 
 @functools.wraps(api.rewrite_graph)

@@ -228,7 +228,7 @@ class _TowerScope:
 def use_passes(monkeypatch) -> None:
     """Send channels-last float32/float16 fused sites down sync_forward's and sync_backward's
     elementwise passes (which channels-first and bfloat16 sites take) instead of the kernels."""
-    monkeypatch.setattr(importlib.import_module("bnrewrite.passes.sites"), "KERNEL_DTYPES", frozenset())
+    monkeypatch.setattr(importlib.import_module("bnrewrite.rewrite.passes.sites"), "KERNEL_DTYPES", frozenset())
 
 
 def kernel_gradients(graph_def) -> list[str]:

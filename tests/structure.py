@@ -1,6 +1,6 @@
 """An independent structural oracle for rewritten graphs, on networkx.
 
-Written apart from bnrewrite's own graph code (bnrewrite/graph.py): it reads a GraphDef's
+Written apart from bnrewrite's own graph code (bnrewrite/graph/index.py): it reads a GraphDef's
 NodeDefs itself, builds a networkx DiGraph of data and control edges, and answers questions
 about the graph's shape that the numeric oracle (tests/models.py) cannot see, such as the
 order in which towers launch their all-reduces or which updates a fetch runs:
@@ -21,7 +21,7 @@ from typing import Iterable
 
 import networkx as nx
 
-#: The attr bnrewrite puts on every all-reduce it adds (bnrewrite.collectives.INSTANCE_ATTR),
+#: The attr bnrewrite puts on every all-reduce it adds (bnrewrite.rewrite.collectives.INSTANCE_ATTR),
 #: restated here so that this module shares no code with the package.
 INSTANCE_ATTR = "_bnrewrite_instance"
 #: All-reduces that meet by keys across devices: the ones whose launch order matters.

@@ -11,11 +11,11 @@ import tensorflow as tf
 import bnrewrite
 from bnrewrite import rewrite_graph
 from bnrewrite.errors import PassError
-from bnrewrite.graph import Graph
-from bnrewrite.names import parse_input
-from bnrewrite.nodes import MARK
-from bnrewrite.passes import run_passes
-from bnrewrite.plan import KEYS_PER_LAYER
+from bnrewrite.graph.index import Graph
+from bnrewrite.graph.names import parse_input
+from bnrewrite.graph.nodes import MARK
+from bnrewrite.rewrite.passes import run_passes
+from bnrewrite.rewrite.plan import KEYS_PER_LAYER
 from models import Spec, build_reference, build_towers
 
 tf1 = tf.compat.v1
@@ -233,7 +233,7 @@ def test_bad_options():
 def test_inference_batch_norm_in_v2_branches_is_counted_once():
     """The else branch's inference-mode batch norm, flattened beside the graph, is not counted
     again from the function library (which counts it when the branch stays unflattened)."""
-    from bnrewrite.api import take_census
+    from bnrewrite.rewrite.api import take_census
 
     graph = build_towers(Spec(towers=2, layer="legacy_cond_v2")).graph
     _, _, census = take_census(Graph.from_graph_def(graph.as_graph_def()))
@@ -282,7 +282,7 @@ def test_in_place_rewrite_that_fails_leaves_the_graph_as_it_was(monkeypatch):
         run_passes(graph, plan)  # the real passes: they append hundreds of nodes
         raise PassError("pass injected_failure produced an invalid graph")
 
-    monkeypatch.setattr(bnrewrite.api, "run_passes", passes_then_failure)
+    monkeypatch.setattr(bnrewrite.rewrite.api, "run_passes", passes_then_failure)
     with pytest.raises(PassError, match="injected_failure"):
         rewrite_graph(graph_def, in_place=True)
     assert graph_def.SerializeToString(deterministic=True) == before

@@ -22,9 +22,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from bnrewrite import TowerMismatchError, UnsyncedLayerError, api, rewrite_graph, stepcheck
+from bnrewrite import TowerMismatchError, UnsyncedLayerError, rewrite_graph
 from bnrewrite.errors import PassError
-from bnrewrite.passes import PIPELINE, dedupe_moving_averages, run_passes
+from bnrewrite.rewrite import api
+from bnrewrite.rewrite.passes import PIPELINE, dedupe_moving_averages, run_passes
+from bnrewrite.session import stepcheck
 from models import load_graph
 from script_oracle import ROOT, judge, run_both
 

@@ -11,11 +11,11 @@ import pytest
 import tensorflow as tf
 
 from bnrewrite.errors import GraphValidationError, PassError
-from bnrewrite.graph import Graph, _consumer_index
-from bnrewrite.graph_edit import Editor
-from bnrewrite.names import parse_input
-from bnrewrite.passes import run_passes
-from bnrewrite.passes.record import PassRecord
+from bnrewrite.graph.edit import Editor
+from bnrewrite.graph.index import Graph, _consumer_index
+from bnrewrite.graph.names import parse_input
+from bnrewrite.rewrite.passes import run_passes
+from bnrewrite.rewrite.passes.record import PassRecord
 from ticks import run_ticked
 
 

@@ -419,7 +419,7 @@ def test_wide_fan_in_costs_no_more_than_its_edges(monkeypatch):
     """One node with a control input from every node: the input parsing the rewrite does (and
     its time) stays within 1.5 x the same graph without that node (each consumer's inputs
     used to be parsed again for every producer asked about)."""
-    import bnrewrite.graph as graph_module
+    import bnrewrite.graph.index as graph_module
 
     plain = _towers(towers=2, layers=12)
     wide = _copy(plain)
@@ -544,9 +544,9 @@ def test_in_place_exception_at_any_bytecode_from_the_reordering_on(base):
     byte-identical to before, or, when the exception was lost (one raised in a finished
     generator's close is only printed), the rewrite's result; the signal handlers are as they
     were."""
-    from bnrewrite.graph import Graph
+    from bnrewrite.graph.index import Graph
 
-    start, outer = Graph.to_graph_def.__code__, bnrewrite.api.rewrite_graph.__code__
+    start, outer = Graph.to_graph_def.__code__, bnrewrite.rewrite.api.rewrite_graph.__code__
     handlers = _handlers()
 
     def interrupted(original, n: int, action) -> tuple[bytes, list]:
@@ -593,7 +593,7 @@ def _raise_keyboard_interrupt() -> None:
 
 def test_in_place_pass_failure_leaves_the_input_as_it_was(base, monkeypatch):
     """An exception from the final assembly itself (patched to fail after its sort)."""
-    from bnrewrite.graph import Graph
+    from bnrewrite.graph.index import Graph
 
     graph_def = _copy(base)
     before = graph_def.SerializeToString(deterministic=True)
@@ -758,7 +758,7 @@ def test_graph_of_near_empty_nodes_is_refused_before_indexing(base, tmp_path):
     """Above graph.DENSITY_FROM_NODES nodes, a graph averaging under MIN_NODE_BYTES a node is an
     InputFormatError (the API; the command line: exit 3, one line); just above the floor it is
     indexed (and then refused for what it is: no towers among the NoOps)."""
-    from bnrewrite.graph import DENSITY_FROM_NODES, MIN_NODE_BYTES, Graph
+    from bnrewrite.graph.index import DENSITY_FROM_NODES, MIN_NODE_BYTES, Graph
 
     count = DENSITY_FROM_NODES + 1 - len(base.node)
     tiny = tf.compat.v1.GraphDef.FromString(base.SerializeToString() + _no_ops(count, 1))

@@ -236,7 +236,7 @@ def test_verify_says_a_fit_step_through_a_callable_is_not_checked(capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bnrewrite:")]
     assert any("nothing verified: its training step runs through a callable (make_callable, Keras' fit)" in line
                for line in lines), lines
-    from bnrewrite import live
+    from bnrewrite.session import live
 
     synced = [r for r in live.records() if r["outcome"] == "synchronized"]
     assert synced and synced[-1]["verify"]["passed"] is None

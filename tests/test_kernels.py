@@ -1,5 +1,5 @@
 """When a synced fused layer takes fused batch-norm kernels instead of elementwise passes:
-channels last, float32 or float16, at any size (bnrewrite.passes.sites.takes_kernels), for the
+channels last, float32 or float16, at any size (bnrewrite.rewrite.passes.sites.takes_kernels), for the
 local moments (sync_forward) and dx (sync_backward). Their float32 numbers are tested in
 test_fused_math.py (both paths), and here through the oracle in float32 and float16."""
 

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 from bnrewrite import TowerMismatchError, UnsyncedLayerError, rewrite_graph
-from bnrewrite.graph import Graph
+from bnrewrite.graph.index import Graph
 from bnrewrite.match.lineup import role
 
 tf1 = tf.compat.v1

@@ -15,8 +15,9 @@ import pytest
 import tensorflow as tf
 
 import bnrewrite
-from bnrewrite import AlreadyRewrittenError, BnRewriteError, PassError, RemovedByRewriteError, api, rewrite_graph
-from bnrewrite.passes import PIPELINE, dedupe_moving_averages, run_passes
+from bnrewrite import AlreadyRewrittenError, BnRewriteError, PassError, RemovedByRewriteError, rewrite_graph
+from bnrewrite.rewrite import api
+from bnrewrite.rewrite.passes import PIPELINE, dedupe_moving_averages, run_passes
 from models import Spec, assert_synced, build_towers, make_batches, one_device_run, session_config, train, unrewritten_run
 
 tf1 = tf.compat.v1

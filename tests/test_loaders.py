@@ -13,9 +13,10 @@ import tensorflow as tf
 from model_files import FormFiles, train_meta, train_saved_model, tree_snapshot, write_formats
 from models import Result, Spec, assert_synced, make_batches, one_device_run, train
 
-from bnrewrite import PassError, collections_def, rewrite_graph
+from bnrewrite import PassError, rewrite_graph
 from bnrewrite.cli import main
-from bnrewrite.collections_def import CONTEXT_COLLECTIONS, drop_removed
+from bnrewrite.rewrite import collections_def
+from bnrewrite.rewrite.collections_def import CONTEXT_COLLECTIONS, drop_removed
 
 STEPS = 2
 TOLERANCE = 2e-4

@@ -12,11 +12,11 @@ import pytest
 
 import bnrewrite
 from bnrewrite import rewrite_graph
-from bnrewrite.collectives import COLLECTIVE_OPS, INSTANCE_ATTR
+from bnrewrite.rewrite.collectives import COLLECTIVE_OPS, INSTANCE_ATTR
 import towers_model
 import tensorflow as tf
-from bnrewrite.graph import Device
-from bnrewrite.collectives import placed
+from bnrewrite.graph.index import Device
+from bnrewrite.rewrite.collectives import placed
 from models import Spec, assert_synced, build_reference, build_towers, make_batches, train
 
 

@@ -1,4 +1,4 @@
-"""The meaning check (bnrewrite/meaning.py) catches a rewrite that changes what the graph does.
+"""The meaning check (bnrewrite/rewrite/meaning.py) catches a rewrite that changes what the graph does.
 
 Each test breaks one invariant on purpose, by patching what the passes return, and shows
 that rewrite_graph raises PassError naming it; unbroken, the same graphs rewrite cleanly.
@@ -11,11 +11,12 @@ from typing import Callable
 
 import pytest
 
-from bnrewrite import api, rewrite_graph
+from bnrewrite import rewrite_graph
 from bnrewrite.errors import PassError
-from bnrewrite.graph import Graph
-from bnrewrite.graph_edit import Editor
-from bnrewrite.passes import PIPELINE, dedupe_moving_averages, run_passes
+from bnrewrite.graph.edit import Editor
+from bnrewrite.graph.index import Graph
+from bnrewrite.rewrite import api
+from bnrewrite.rewrite.passes import PIPELINE, dedupe_moving_averages, run_passes
 from models import Spec, build_towers
 
 K = 3

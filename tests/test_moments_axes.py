@@ -153,7 +153,7 @@ def test_weighted_moments_are_reported_as_skipped():
     graph = _build([B, B], weighted=True)
     with pytest.raises(Exception, match="no batch-norm op found"):
         rewrite_graph(graph)
-    from bnrewrite.graph import Graph
+    from bnrewrite.graph.index import Graph
     from bnrewrite.match.sites import scan
 
     skips = scan(Graph.from_graph_def(graph.as_graph_def())).skips
@@ -165,7 +165,7 @@ def test_moments_sites_know_the_variables_their_normalization_reads(affine):
     """tf.nn.moments + tf.nn.batch_normalization, by hand, with resource variables read through
     reshapes: the site records the scale and offset variables (what groups a layer's copies
     across towers when their names do not line up), None where the layer has none."""
-    from bnrewrite.graph import Graph
+    from bnrewrite.graph.index import Graph
     from bnrewrite.match.sites import scan
 
     graph = tf.Graph()

@@ -11,8 +11,8 @@ import pytest
 import tensorflow as tf
 
 from bnrewrite import BnRewriteError, ForeignGraphError, rewrite_graph
-from bnrewrite.report import REMOVED_SHOWN
-from bnrewrite.selfcheck import CaseResult, CheckReport
+from bnrewrite.rewrite.report import REMOVED_SHOWN
+from bnrewrite.rewrite.selfcheck import CaseResult, CheckReport
 from models import Spec, build_towers, session_config
 
 tf1 = tf.compat.v1
@@ -101,18 +101,3 @@ def test_one_tower_fetched_alone_needs_every_towers_inputs_and_the_docstring_say
     doc = " ".join(rewrite_graph.__doc__.split())
     assert "Every step must run every tower's all-reduces" in doc
     assert "sess.run([train_op, loss], feed)" in doc and "You must feed a value for placeholder tensor" in doc
-
-
-def test_matching_imports_only_downwards():
-    """bnrewrite/match/ sits on the graph model: it must not import the function-library code,
-    the passes, I/O or the entry points above it."""
-    import ast
-    import pathlib
-
-    above = ("bnrewrite.functions", "bnrewrite.passes", "bnrewrite.io", "bnrewrite.api", "bnrewrite.cli", "bnrewrite.plan")
-    for path in sorted(pathlib.Path(ROOT, "bnrewrite", "match").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                assert not node.module.startswith(above), f"{path.name} imports {node.module}"
-            if isinstance(node, ast.Import):
-                assert not any(a.name.startswith(above) for a in node.names), f"{path.name} imports upwards"

@@ -165,7 +165,7 @@ def test_value_free_walk_ends_on_a_loop():
     (values made of constants and shapes alone) from data ends there, counting the loop as data."""
     from tensorflow.python.ops import control_flow_util
 
-    from bnrewrite.graph import Graph
+    from bnrewrite.graph.index import Graph
     from bnrewrite.match.data_parallel import _value_free
 
     graph, v2 = tf.Graph(), control_flow_util.ENABLE_CONTROL_FLOW_V2
@@ -187,9 +187,9 @@ def test_applications_chained_by_their_updates():
     (tf.control_dependencies): not towers even when the user says so, as synchronizing would
     close a cycle ("a bnrewrite bug" before); and each application's batch norm keeps its own
     moving-average updates, not also those reached through the first's updated value."""
-    from bnrewrite.api import take_census
-    from bnrewrite.graph import Graph
+    from bnrewrite.graph.index import Graph
     from bnrewrite.match.updates import direct_updates, find_updates
+    from bnrewrite.rewrite.api import take_census
 
     tf1, layers = tf.compat.v1, tf.compat.v1.layers
     graph = tf.Graph()

@@ -2,7 +2,7 @@
 op `minimize(tower_0_loss)` after the `train_op` over both towers.
 
 It waited forever in every all-reduce for the tower it does not run (refused since, exit 7). Now it
-runs copies of that tower's forward pass (bnrewrite.step_copies), as python runs it: one device.
+runs copies of that tower's forward pass (bnrewrite.rewrite.step_copies), as python runs it: one device.
 The oracle (tests/scripts/partial_steps.py under `bnrewrite run --verify`): the whole script
 (multi-tower steps, then fine-tuning steps) against one device fed the whole batch, by the noise
 floor, the towers as built far off; and the fine-tuning steps bit-identical to python's from the

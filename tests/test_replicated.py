@@ -26,7 +26,7 @@ import pytest
 import tensorflow as tf
 
 from bnrewrite import UnsyncedLayerError, rewrite_graph
-from bnrewrite.report import Report
+from bnrewrite.rewrite.report import Report
 from models import Built, Result, Spec, assert_synced, kernel_gradients, kernel_moments, make_batches, train, use_passes
 
 tf1 = tf.compat.v1

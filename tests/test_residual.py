@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from bnrewrite import NoBatchNormError, UnsyncedLayerError, rewrite_graph
-from bnrewrite.collectives import COLLECTIVE_OPS
+from bnrewrite.rewrite.collectives import COLLECTIVE_OPS
 from models import Built, assert_synced, train
 
 tf1 = tf.compat.v1

@@ -13,8 +13,9 @@ import sys
 import pytest
 
 import bnrewrite
-from bnrewrite import BackendError, selfcheck
-from bnrewrite.selfcheck import CASES
+from bnrewrite import BackendError
+from bnrewrite.rewrite import selfcheck
+from bnrewrite.rewrite.selfcheck import CASES
 
 
 def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""Static shapes of bare GraphDefs and MetaGraphDefs (bnrewrite.shapes): inferred from the graph
+"""Static shapes of bare GraphDefs and MetaGraphDefs (bnrewrite.graph.shapes): inferred from the graph
 itself, they give `convert x.pb`, `convert x.meta` and `rewrite_graph(tf.Graph)` the same
 rewritten graph. Each rule is checked against TensorFlow's own shape inference, which a
 tf.Graph records on every tensor it builds."""
@@ -9,9 +9,9 @@ import tensorflow as tf
 from tensorflow.core.framework.node_def_pb2 import NodeDef
 
 from bnrewrite import rewrite_graph
-from bnrewrite.graph import Graph
-from bnrewrite.graph_edit import Editor
-from bnrewrite.shapes import ShapeInference
+from bnrewrite.graph.edit import Editor
+from bnrewrite.graph.index import Graph
+from bnrewrite.graph.shapes import ShapeInference
 from models import (Spec, assert_synced, build_reference, build_towers, kernel_gradients, kernel_moments, make_batches,
                     train, use_passes)
 
@@ -78,7 +78,7 @@ def _non_constant_axes(keep: bool):
     return tf.reduce_mean(_ph((2, 3, 4)), axis=_ph((1,), tf.int32, "axes"), keepdims=keep)
 
 
-#: (id, builder of one tensor): every rule of bnrewrite.shapes, NHWC and NCHW where they differ,
+#: (id, builder of one tensor): every rule of bnrewrite.graph.shapes, NHWC and NCHW where they differ,
 #: unknown batch sizes where they propagate.
 CASES = [
     ("placeholder", lambda: _ph((2, 3))),

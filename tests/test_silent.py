@@ -155,7 +155,7 @@ def test_a_second_optimizer_added_after_the_session_ran_keeps_the_graph_s_number
     every line and in the records, a move line that says the graph grew, and the session trains
     bit for bit as one made after both train ops (the towers as built: 0.1 apart)."""
     config = tf1.ConfigProto(device_count={"CPU": K})
-    from bnrewrite import live
+    from bnrewrite.session import live
 
     before = len(live.records())
     bnrewrite.enable()

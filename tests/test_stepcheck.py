@@ -1,4 +1,4 @@
-"""The step check (bnrewrite/stepcheck.py) and `bnrewrite verify MODEL` (issue 35).
+"""The step check (bnrewrite/session/stepcheck.py) and `bnrewrite verify MODEL` (issue 35).
 
 Every form the README lists passes on one real training step in process (build, the user's own
 step with the check's fetches, evaluate), three of them and the checkpoint's model also through
@@ -24,11 +24,13 @@ from models import Spec, build_towers, load_graph, make_batches, session_config
 from test_cli import assert_one_error_line
 from test_cli import bnrewrite as run_cli
 
-from bnrewrite import api, rewrite_graph, statistics, stepcheck
+from bnrewrite import rewrite_graph
 from bnrewrite.errors import PassError
-from bnrewrite.graph_edit import Editor
-from bnrewrite.nodes import MARK
-from bnrewrite.passes import PIPELINE, dedupe_moving_averages, run_passes
+from bnrewrite.graph.edit import Editor
+from bnrewrite.graph.nodes import MARK
+from bnrewrite.rewrite import api, statistics
+from bnrewrite.rewrite.passes import PIPELINE, dedupe_moving_averages, run_passes
+from bnrewrite.session import stepcheck
 
 FORMS = {
     "fused legacy": Spec(), "fused op": Spec(layer="fused_op"), "fused NCHW": Spec(data_format="NCHW"),

@@ -153,7 +153,7 @@ def test_uneven_moments_under_enable():
     """The sessions of `bnrewrite run` synchronize a moments layer fed batches of unknown size as
     the API does (they ran the graph unchanged: its gradient went unseen, "no gradient yet")."""
     import bnrewrite
-    from bnrewrite import live
+    from bnrewrite.session import live
 
     spec = Spec(towers=3, batch=4, layer="legacy_unfused", uneven=True)
     built, ref = build_towers(spec), build_reference(spec)

@@ -16,8 +16,8 @@ from model_files import cached_models
 from tensorflow.core.framework.node_def_pb2 import NodeDef
 from test_cli import ENV, assert_one_error_line
 
-from bnrewrite import visualize
 from bnrewrite.errors import OutputError
+from bnrewrite.io import visualize
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

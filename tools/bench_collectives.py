@@ -73,8 +73,8 @@ def bnrewrite_row(channels: int, backend: str) -> Row:
     import deep_net
 
     from bnrewrite import rewrite_graph
-    from bnrewrite.collectives import INSTANCE_ATTR
-    from bnrewrite.plan import KEYS_PER_LAYER
+    from bnrewrite.rewrite.collectives import INSTANCE_ATTR
+    from bnrewrite.rewrite.plan import KEYS_PER_LAYER
 
     device = "gpu" if backend == "nccl" else "cpu"
     graph_def = deep_net.build_graph_def(TOWERS, 1, channels=channels, image=4, batch=2, device=device)

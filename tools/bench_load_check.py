@@ -49,8 +49,8 @@ def write_inputs(directory: str, towers: int, layers: int) -> dict[str, str]:
 
 def child(source: str, out: str, checked: str) -> None:
     """Fresh process: convert SOURCE OUT in process; prints the times and the peak RSS."""
-    from bnrewrite.io import convert
     from bnrewrite.cli import main
+    from bnrewrite.io import convert
 
     spent: list[float] = []
     check = convert.check_result

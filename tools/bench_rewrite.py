@@ -203,12 +203,12 @@ def print_work(rows: list[dict]) -> None:
 def bench_startup(towers: int, layers: int, reps: int, wiring: dict[str, str]) -> dict:
     """What the first session on a training graph pays under `bnrewrite run` / `enable()`,
     against tf.import_graph_def of the graph: export (as_graph_def) + rewrite + the shadow's
-    import of the rewritten GraphDef into TensorFlow's C graph (bnrewrite.c_graph), repetitions
+    import of the rewritten GraphDef into TensorFlow's C graph (bnrewrite.graph.c_graph), repetitions
     interleaved with the plain import."""
     import tensorflow as tf
 
     from bnrewrite import rewrite_graph
-    from bnrewrite.c_graph import import_fragment as shadow_import
+    from bnrewrite.graph.c_graph import import_fragment as shadow_import
 
     def _shadow(graph_def) -> None:  # noqa: ANN001
         shadow_import(tf.Graph(), graph_def.SerializeToString(), {}, {})

@@ -1,4 +1,4 @@
-"""What the step check (bnrewrite/stepcheck.py) costs: first step and later steps with and without
+"""What the step check (bnrewrite/session/stepcheck.py) costs: first step and later steps with and without
 its ops, and the bytes it fetches against fetching every layer's x and y.
 
     python tools/bench_stepcheck.py [--towers 4] [--size default] [--repeats 3] [--steps 5]
@@ -29,7 +29,8 @@ import deep_net  # noqa: E402
 from bench_step import SIZES, make_batches  # noqa: E402
 from step_variants import tower_inputs  # noqa: E402
 
-from bnrewrite import rewrite_graph, stepcheck  # noqa: E402
+from bnrewrite import rewrite_graph  # noqa: E402
+from bnrewrite.session import stepcheck  # noqa: E402
 
 tf1 = tf.compat.v1
 

@@ -17,10 +17,10 @@ import tensorflow as tf
 
 import deep_net
 from bnrewrite import rewrite_graph
-from bnrewrite.api import take_census
-from bnrewrite.graph import Graph
+from bnrewrite.graph.index import Graph
 from bnrewrite.match.data_parallel import not_replicas
 from bnrewrite.match.towers import choose_tower_by, tower_of
+from bnrewrite.rewrite.api import take_census
 
 
 def _timed(run) -> float:

@@ -43,7 +43,7 @@ import tensorflow as tf  # noqa: E402
 
 import bnrewrite  # noqa: E402
 import deep_net  # noqa: E402
-from bnrewrite import first_step, live, stepcheck  # noqa: E402
+from bnrewrite.session import first_step, live, stepcheck  # noqa: E402
 
 tf1 = tf.compat.v1
 PHASES = ("session", "first", "second", "later")

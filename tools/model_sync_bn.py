@@ -10,7 +10,7 @@ are updated by tower 0 alone, with the global batch's Bessel correction so that 
 variance is the one a single device fed the whole batch would keep (tensorpack uses the biased
 variance; the benchmark compares against graphs that train like one device).
 
-The all-reduces are `CollectiveReduceV2` (any device; its keys as bnrewrite/collectives.py
+The all-reduces are `CollectiveReduceV2` (any device; its keys as bnrewrite/rewrite/collectives.py
 builds them) or `NcclAllReduce` (every tower on a GPU). Forward and backward all-reduces of a
 layer are data-dependent on the previous layer's, so every tower issues them in one order
 without control edges.

@@ -5,10 +5,13 @@ its error class (see EXIT_CODES and README.md, "Exit codes"); nothing is written
 input is never changed. TensorFlow is imported only after the checks that do not need it,
 and its import-time logging is silenced unless -v is given.
 
-One module per command (convert, inspect, diff; check lives in bnrewrite.selfcheck), over
+One module per command (convert, inspect, diff; check lives in bnrewrite.rewrite.selfcheck), over
 shared ones: parser (arguments, epilogs, exit codes), app (main), output (what is printed),
 document (the JSON report) and tf (the quiet TensorFlow import). Commands import only the
 shared modules, never each other.
+
+May import every layer below: bnrewrite.io, bnrewrite.session, bnrewrite.rewrite, bnrewrite.match,
+bnrewrite.graph, bnrewrite.errors (and the package's `__version__`).
 """
 
 from bnrewrite.cli.app import Stopped, main

@@ -110,7 +110,7 @@ def _json_failure(args: argparse.Namespace, name: str, message: str, exit_code: 
     with the report's keys that it has and the error, as in a report of a graph that fails."""
     if args.command != "inspect" or not args.json or getattr(args, "json_printed", False):
         return
-    from bnrewrite.report import SCHEMA_VERSION
+    from bnrewrite.rewrite.report import SCHEMA_VERSION
 
     document = {
         "schema_version": SCHEMA_VERSION, "bnrewrite_version": __version__, "command": "inspect",

@@ -34,7 +34,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             if io.same_or_nested(path, other):
                 raise OutputError(f"{flag} {path} overlaps {other_flag} {other}; write it somewhere else")
     if args.dot:
-        from bnrewrite import visualize
+        from bnrewrite.io import visualize
 
         visualize.check_target(args.dot)
     for flag, path in written:  # what a killed run left beside them: refused, or removed when scratch
@@ -62,12 +62,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
             document = json_report("convert", args, model, rewrite, result, written=not args.dry_run, verified=bool(args.verify))
             outputs.stage_bytes(args.report, (json.dumps(document, indent=2) + "\n").encode(), "--report")
         if args.dot:
-            from bnrewrite import visualize
+            from bnrewrite.io import visualize
 
             dot = visualize.stage(outputs, args.dot, rewrite, args.dot_layer)
             notes.append(dot)
         if args.tensorboard:
-            from bnrewrite import visualize
+            from bnrewrite.io import visualize
 
             visualize.stage_tensorboard(outputs, args.tensorboard, rewrite)
         notes += outputs.commit()
@@ -93,8 +93,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def _gpus_missing(rewrite: Any) -> str:
     """A note when the output all-reduces by NCCL on GPUs this machine does not have: it cannot
     run here, and backend local writes one that can; else ""."""
-    from bnrewrite.graph import Device
-    from bnrewrite.live import visible_gpus
+    from bnrewrite.graph.index import Device
+    from bnrewrite.session.live import visible_gpus
 
     indices = sorted({Device.parse(node.device).index for outcome in rewrite.outcomes if outcome.result is not None
                       for node in outcome.result.graph_def.node if node.op == "NcclAllReduce"})

@@ -16,7 +16,7 @@ from bnrewrite.errors import BnRewriteError
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from bnrewrite import io
-    from bnrewrite.visualize import diff_entries
+    from bnrewrite.io.visualize import diff_entries
 
     out = Printer(args)
     io.check_input(args.a)

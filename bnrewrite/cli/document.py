@@ -23,7 +23,7 @@ def rewrite_keywords(args: argparse.Namespace) -> dict[str, Any]:
 def json_report(command: str, args: argparse.Namespace, model: Any, rewrite: Any, result: Any = None,
                 written: bool = False, verified: bool = False) -> dict[str, Any]:
     """The JSON report (README.md, 'Report schema')."""
-    from bnrewrite.report import SCHEMA_VERSION
+    from bnrewrite.rewrite.report import SCHEMA_VERSION
 
     graphs = []
     reported = {o.entry.index: o for o in rewrite.outcomes}

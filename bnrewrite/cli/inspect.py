@@ -70,8 +70,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _print_census(out: Printer, entry: Any, head: str) -> list[Any]:
     """Print how many batch-norm ops of each kind the rewrite finds; returns those it skips
     (the report lists them when there is one)."""
-    from bnrewrite.api import take_census
-    from bnrewrite.graph import Graph
+    from bnrewrite.graph.index import Graph
+    from bnrewrite.rewrite.api import take_census
 
     _, _, census = take_census(Graph.from_graph_def(entry.graph_def))
     out.line(f"{head}batch-norm ops: {len(census.sites)} in training mode, {len(census.inference)} in inference mode"

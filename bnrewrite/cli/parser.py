@@ -8,15 +8,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from bnrewrite import __version__, errors, selfcheck
-from bnrewrite.arguments import BACKENDS
-from bnrewrite.bounds import DEFAULT_SECONDS, START_SECONDS
+from bnrewrite import __version__, errors
 from bnrewrite.cli.convert import cmd_convert
 from bnrewrite.cli.diff import cmd_diff
 from bnrewrite.cli.inspect import cmd_inspect
 from bnrewrite.cli.output import INTERNAL_ERROR, INTERRUPTED, PROG, USAGE, print_error
 from bnrewrite.cli.run import cmd_run
 from bnrewrite.cli.verify import cmd_verify
+from bnrewrite.rewrite import selfcheck
+from bnrewrite.rewrite.arguments import BACKENDS
+from bnrewrite.session.bounds import DEFAULT_SECONDS, START_SECONDS
 
 #: Exit code -> what it means, for --help and the README.
 EXIT_CODES: list[tuple[int, str, str]] = [

@@ -36,9 +36,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from bnrewrite import children, live, sessions
 from bnrewrite.cli.output import INTERRUPTED, USAGE, print_error, print_note
 from bnrewrite.errors import BnRewriteError, OutputError
+from bnrewrite.session import children, live, sessions
 
 #: run's options that take a value: what comes after them is not SCRIPT.
 VALUE_OPTIONS = frozenset({"--backend", "--tower-by", "--group-size", "--timeout", "--workers", "--task-index",

@@ -1,6 +1,6 @@
 """`bnrewrite verify MODEL`: rewrite the original model in memory, run one checked training step
 on this machine's CPU and say whether every synced layer normalized with the global batch's
-statistics and updated its moving statistics once (bnrewrite.stepcheck).
+statistics and updated its moving statistics once (bnrewrite.session.stepcheck).
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@ Protocol buffers are parsed and written only in this package:
 - `save`: output formats, serialising, staging a SavedModel directory
 - `staging`: what may be replaced, and all-or-nothing writes (staged beside the targets, committed with rollback)
 - `verify`: TensorFlow's import of a graph (in C++ for every graph rewritten; --verify as a user imports it)
+- `step`: the training step `bnrewrite verify` runs with the step check
+- `visualize`: Graphviz pictures of a layer before/after, TensorBoard runs, `diff`'s node diff
+
+May import: bnrewrite.session (the step check), bnrewrite.rewrite, bnrewrite.match,
+bnrewrite.graph, bnrewrite.errors.
 """
 
 from bnrewrite.io.convert import located, meta_references, nothing_rewritten, parse_tags, rewrite, select

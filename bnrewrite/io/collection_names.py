@@ -25,7 +25,7 @@ def output_counts(graph: Any) -> dict[str, int]:
     """Name -> number of outputs of every op of `graph`'s C graph (a C import's result)."""
     from tensorflow.python.client import pywrap_tf_session as c_api
 
-    from bnrewrite.c_graph import operations
+    from bnrewrite.graph.c_graph import operations
 
     return {name: c_api.TF_OperationNumOutputs(op) for name, op in operations(graph).items()}
 

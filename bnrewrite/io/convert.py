@@ -16,7 +16,7 @@ from bnrewrite.errors import (
 )
 from bnrewrite.io.model import Entry, Model, Outcome, Rewrite, protos, shown
 from bnrewrite.io.verify import check_result, loads
-from bnrewrite.report import Report
+from bnrewrite.rewrite.report import Report
 
 #: Errors that, when rewriting every MetaGraph of a SavedModel, only mean "nothing to do here".
 _NOTHING_TO_DO = (InferenceOnlyError, NoBatchNormError)
@@ -68,7 +68,7 @@ def rewrite(model: Model, tag_sets: list[frozenset[str]] | None = None, *, keep_
     (no tag sets given), and then if none is left, `nothing_rewritten` is raised.
     Every rewritten MetaGraph's signatures and saver must still name tensors that exist.
     """
-    from bnrewrite.api import rewrite_graph
+    from bnrewrite.rewrite.api import rewrite_graph
 
     default = keep_idle is None
     if default:
@@ -134,7 +134,7 @@ def _replace_entries(model: Model, new: list[Entry]) -> Model:
 
 def meta_references(meta: Any) -> list[tuple[str, str]]:
     """(what, node name) for every node that the MetaGraph's signatures and saver name."""
-    from bnrewrite.names import parse_input
+    from bnrewrite.graph.names import parse_input
 
     refs: list[tuple[str, str]] = []
     for sig_name, sig in meta.signature_def.items():

@@ -127,7 +127,7 @@ def make_model(path: str, kind: str, message: Any) -> Model:
 
 def validate(model: Model) -> None:
     """Every entry is a well-formed graph: unique names, inputs that resolve, no cycle."""
-    from bnrewrite.graph import Graph
+    from bnrewrite.graph.index import Graph
 
     for entry in model.entries:
         try:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from bnrewrite.errors import BnRewriteError
-from bnrewrite.report import Report
+from bnrewrite.rewrite.report import Report
 
 #: Output formats: GraphDef binary/text, MetaGraphDef binary/text, SavedModel directory.
 FORMATS = ("pb", "pbtxt", "meta", "metatxt", "savedmodel")

@@ -11,6 +11,7 @@ from typing import Any
 from google.protobuf import text_format
 
 from bnrewrite.errors import BnRewriteError, InputFormatError
+from bnrewrite.io.load import inside_link
 from bnrewrite.io.model import (
     FINGERPRINT,
     FORMATS,
@@ -23,7 +24,6 @@ from bnrewrite.io.model import (
     protos,
     shown,
 )
-from bnrewrite.io.load import inside_link
 from bnrewrite.io.staging import SAVED_MODEL, Outputs, describe
 
 #: Bytes read at a time when copying a SavedModel's files.

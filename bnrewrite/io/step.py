@@ -5,7 +5,7 @@ and task dropped), and the session gets that many virtual CPUs. The step runs wh
 training targets are (the ops nothing reads that run a kept moving-average update or a batch
 norm's gradient; or those named), fed synthetic inputs: every placeholder the step needs, and
 the outputs of queue dequeues and iterators directly. Variables take their initializers' values,
-then a checkpoint's where it has them. `bnrewrite.stepcheck` builds the checks and judges.
+then a checkpoint's where it has them. `bnrewrite.session.stepcheck` builds the checks and judges.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from bnrewrite import stepcheck
 from bnrewrite.errors import BnRewriteError
+from bnrewrite.graph.ops import INPUT_PIPELINE_OPS
 from bnrewrite.io.model import Entry, one_line
-from bnrewrite.ops import INPUT_PIPELINE_OPS
-from bnrewrite.report import Report
+from bnrewrite.rewrite.report import Report
+from bnrewrite.session import stepcheck
 
 _VARIABLES = frozenset({"VarHandleOp", "VariableV2", "Variable"})
 _DEVICE = re.compile(r"(?:/job:[^/]*)?(?:/replica:\d+)?(?:/task:\d+)?(?:/device:|/)(?:gpu|cpu|GPU|CPU|XLA_GPU|XLA_CPU):(\d+)$")

@@ -32,10 +32,10 @@ import re
 from collections import defaultdict
 from collections.abc import Callable
 
-from bnrewrite.graph import Graph
+from bnrewrite.graph.index import Graph
+from bnrewrite.graph.ops import DATA_SOURCE_OPS
 from bnrewrite.match.census import Site, Skip
 from bnrewrite.match.lineup import DEPTH, role, structure
-from bnrewrite.ops import DATA_SOURCE_OPS
 
 #: A layer's name, its copies and what lined them up (towers.py's candidate groups).
 Candidate = tuple[str, list[Site], str]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from tensorflow.core.framework import types_pb2
 
-from bnrewrite.graph import Device
+from bnrewrite.graph.index import Device
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,10 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.core.framework.node_def_pb2 import NodeDef
 from tensorflow.python.framework import tensor_util
 
-from bnrewrite.graph import Graph
-from bnrewrite.names import parse_input
+from bnrewrite.graph.index import Graph
+from bnrewrite.graph.names import parse_input
+from bnrewrite.graph.nodes import outer_node
 from bnrewrite.match.census import Site
-from bnrewrite.nodes import outer_node
 
 #: Ops whose output does not depend on their inputs' values (only on shapes, or nothing).
 _VALUE_FREE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike", "BroadcastArgs"})

@@ -24,7 +24,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-from bnrewrite.graph import Graph
+from bnrewrite.graph.index import Graph
 from bnrewrite.match.census import Site, Skip
 from bnrewrite.match.sites import VARIABLE_OPS
 

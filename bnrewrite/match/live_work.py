@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from bnrewrite.graph import Graph
+from bnrewrite.graph.index import Graph
+from bnrewrite.graph.nodes import BODY_MARK, outer_node
 from bnrewrite.match.census import Site, Skip
 from bnrewrite.match.updates import writes
-from bnrewrite.nodes import BODY_MARK, outer_node
 
 NOT_RUN = ("no training step runs it (nothing downstream of a gradient depends on it: e.g. the call that built a "
            "Keras model on its own Input, an unused branch or copy); not a tower, left as it is")
@@ -118,7 +118,7 @@ def _main_step(tower: Mapping[str, str], runs: Mapping[str, frozenset[str]]) -> 
 def one_tower_steps(tower: Mapping[str, str], runs: Mapping[str, frozenset[str]]) -> dict[str, frozenset[str]]:
     """The steps that share sites with the main step (the one running most towers) but run the sites
     of one of its towers only (a fine-tuning op on tower 0 after the multi-tower train op): python
-    trains one device there, which bnrewrite.step_copies gives a forward pass of its own.
+    trains one device there, which bnrewrite.rewrite.step_copies gives a forward pass of its own.
     `tower`: site -> its tower (the sites to consider); `runs`: step -> the sites it runs."""
     runs, main = _main_step(tower, runs)
     if not main:

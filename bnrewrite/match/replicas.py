@@ -12,8 +12,8 @@ norm would couple them into something no single device trains.
 
 from __future__ import annotations
 
-from bnrewrite.graph import Graph
-from bnrewrite.names import parse_input
+from bnrewrite.graph.index import Graph
+from bnrewrite.graph.names import parse_input
 from bnrewrite.match.sites import VARIABLE_OPS
 from bnrewrite.match.towers import Towers
 from bnrewrite.match.updates import writers

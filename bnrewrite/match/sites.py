@@ -22,12 +22,12 @@ import numpy as np
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import tensor_util
 
-from bnrewrite.graph import Graph
+from bnrewrite.graph.index import Graph
+from bnrewrite.graph.names import tensor_name
+from bnrewrite.graph.nodes import MARK
+from bnrewrite.graph.opcheck import check_attrs, check_batch_norm_shapes
 from bnrewrite.match.census import Census, Site, Skip
 from bnrewrite.match.tape_gradients import tape_entries
-from bnrewrite.names import tensor_name
-from bnrewrite.nodes import MARK
-from bnrewrite.opcheck import check_attrs, check_batch_norm_shapes
 
 FUSED_FORWARD = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
 FUSED_GRAD = frozenset({"FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3"})
@@ -88,7 +88,7 @@ def _attr(node: object, key: str, default: object) -> object:
 
 def scan(graph: Graph, aliases: Mapping[str, Mapping[str, str]] | None = None) -> Census:
     """Every batch-norm op of `graph`. `aliases`: a gradient node -> the copies its step runs
-    (bnrewrite.step_copies): the Mean its scope names is that Mean's copy."""
+    (bnrewrite.rewrite.step_copies): the Mean its scope names is that Mean's copy."""
     census = Census([], [], [], [])
     mean_gradients = _mean_gradients(graph, aliases or {})
     for node in graph:

@@ -19,8 +19,8 @@ is left to sites.py's refusal (never synchronized forward only).
 
 from __future__ import annotations
 
-from bnrewrite.graph import Graph
-from bnrewrite.names import parse_input
+from bnrewrite.graph.index import Graph
+from bnrewrite.graph.names import parse_input
 
 _DIVIDES = frozenset({"RealDiv", "Div"})
 _SPREADS = frozenset({"Tile", "BroadcastTo"})

@@ -18,11 +18,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from bnrewrite.errors import NotReplicasError, NoTowersError, TowerMismatchError
-from bnrewrite.graph import Graph
+from bnrewrite.graph.index import Graph
 from bnrewrite.match.applications import split_applications
+from bnrewrite.match.census import Site, Skip
 from bnrewrite.match.data_parallel import not_replicas
 from bnrewrite.match.lineup import line_up
-from bnrewrite.match.census import Site, Skip
 
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from bnrewrite.graph import Graph
+from bnrewrite.graph.index import Graph
+from bnrewrite.graph.ops import IF_OPS
 from bnrewrite.match.census import Update
 from bnrewrite.match.sites import resolve_variable
-from bnrewrite.ops import IF_OPS
 
 ASSIGN_OPS = frozenset({
     "AssignSubVariableOp", "AssignVariableOp", "AssignAddVariableOp", "AssignSub", "Assign", "AssignAdd",
