@@ -8,7 +8,7 @@ order in which towers launch their all-reduces or which updates a fetch runs:
     load(graph_def) -> nx.DiGraph            nodes carry "op", "device", "attrs" (names only), "inputs"
     assert_acyclic(graph_def)
     collective_order(graph_def) -> {device: [instance keys in launch order]}
-    assert_gradients_wait_for_dx(graph_def, gradient_ops)
+    assert_scale_read_before_its_gradient(graph_def, gradient_ops)
     updates_reached(graph_def, target) -> {variable name: number of updates target runs}
 
 Only the top-level graph is read: nodes inside function bodies (v2 branches) are not seen.
@@ -90,20 +90,34 @@ def collective_order(graph_def, ops: Iterable[str] = KEYED_COLLECTIVES) -> dict[
     return order
 
 
-def assert_gradients_wait_for_dx(graph_def, gradient_ops: Iterable[str]) -> int:
-    """Each rewritten fused gradient op (an IdentityN of dx, d(scale), d(offset), ...) has
-    d(scale) and d(offset) produced after dx: the node giving dx is an ancestor of both.
-    Returns how many gradient ops were checked."""
+def assert_scale_read_before_its_gradient(graph_def, gradient_ops: Iterable[str]) -> int:
+    """Each rewritten fused gradient op (an IdentityN of dx, d(scale), d(offset), ...): every node
+    in its scope that reads a variable reaches d(scale) by data edges alone, as the fused kernel
+    read the scale and gave d(scale) in one op. A reference variable's read aliases the buffer that
+    the update fed by d(scale) writes in place, and Grappler keeps no order that only control edges
+    give. Returns how many gradient ops were checked."""
     graph = _as_graph(graph_def)
+    data = nx.DiGraph((src, dst) for src, dst, edge in graph.edges(data=True) if not edge["control"])
     checked = 0
     for name in gradient_ops:
-        data = graph.nodes[name]
-        assert data["op"] == "IdentityN", f"{name} is a {data['op']}, not the rewrite's IdentityN"
-        dx, dscale, doffset = (_source(spec)[0] for spec in data["inputs"][:3])
-        for what, node in (("d(scale)", dscale), ("d(offset)", doffset)):
-            assert nx.has_path(graph, dx, node), f"{name}: {what} ({node}) does not wait for dx ({dx})"
+        node = graph.nodes[name]
+        assert node["op"] == "IdentityN", f"{name} is a {node['op']}, not the rewrite's IdentityN"
+        dscale, scope = _source(node["inputs"][1])[0], name.rsplit("/", 1)[0] + "/"
+        readers = [n for n in graph if n.startswith(scope) and any(
+            _reads_variable(graph, spec) for spec in graph.nodes[n]["inputs"] if not spec.startswith("^"))]
+        assert readers, f"{name}: nothing in {scope} reads a variable"
+        for reader in readers:
+            assert reader == dscale or (reader in data and dscale in data and nx.has_path(data, reader, dscale)), \
+                f"{name}: {reader} reads a variable after d(scale) ({dscale}) may have updated it"
         checked += 1
     return checked
+
+
+def _reads_variable(graph: nx.DiGraph, spec: str) -> bool:
+    """Whether input `spec` is a variable's value: a ReadVariableOp's, or a reference variable's
+    through pass-through ops."""
+    source = _source(spec)[0]
+    return graph.nodes[source]["op"] == "ReadVariableOp" or graph.nodes[_variable(graph, source)]["op"] in _VARIABLE_OPS
 
 
 def _variable(graph: nx.DiGraph, name: str) -> str:

@@ -77,7 +77,7 @@ WALKS = ("depends_on", "ancestors_among")
 def count_walks(stats: pstats.Stats) -> int:
     """How many reachability walks (calls of WALKS) a profile of rewrites made."""
     return sum(calls for (path, _, name), (_, calls, *_) in stats.stats.items()  # type: ignore[attr-defined]
-               if name in WALKS and path.endswith(os.path.join("bnrewrite", "graph_order.py")))
+               if name in WALKS and path.endswith(os.path.join("bnrewrite", "graph", "order.py")))
 
 
 def bench_config(towers: int, layers: int, reps: int, wiring: dict[str, str]) -> dict:
