@@ -29,8 +29,9 @@ def _batch_norm(op: str, x, scale, offset, running_mean, running_var, data_forma
 
 
 def _towers(k: int, shape: tuple, data_format: str = "NHWC", avg_factor: float = 1.0, dtype=tf.float32,
-            op: str = "FusedBatchNormV3"):
-    """K towers: x_k -> a fused batch norm (training) -> loss_k = sum(y * r_k); dx by tf.gradients."""
+            op: str = "FusedBatchNormV3", batches: tuple[int, ...] = ()):
+    """K towers: x_k -> a fused batch norm (training) -> loss_k = sum(y * r_k); dx by tf.gradients.
+    `batches`: each tower's static batch size instead of shape[0]."""
     graph = tf.Graph()
     rng = np.random.default_rng(1)
     with graph.as_default():
@@ -41,8 +42,9 @@ def _towers(k: int, shape: tuple, data_format: str = "NHWC", avg_factor: float =
             running_var = tf1.get_variable("running_var", initializer=np.ones(C, np.float32))
         for i in range(k):
             with tf.device(f"/cpu:{i}"), tf.name_scope(f"tower_{i}"):
-                x = tf1.placeholder(dtype, shape, name="x")
-                r = tf1.placeholder(dtype, shape, name="r")
+                own = (batches[i], *shape[1:]) if batches else shape
+                x = tf1.placeholder(dtype, own, name="x")
+                r = tf1.placeholder(dtype, own, name="r")
                 y, mean, var = _batch_norm(op, x, scale, offset, running_mean, running_var, data_format, avg_factor)
                 tf.identity(mean, name="batch_mean")
                 tf.identity(var, name="batch_variance")
@@ -65,8 +67,9 @@ def _run(graph_or_def, k: int, feeds: dict, fetches: list):
         return sess.run(fetches, feeds)
 
 
-def _split_feeds(k: int, x: np.ndarray, r: np.ndarray, axis: int = 0) -> dict:
-    xs, rs = np.split(x, k, axis), np.split(r, k, axis)
+def _split_feeds(k: int, x: np.ndarray, r: np.ndarray, axis: int = 0, batches: tuple[int, ...] = ()) -> dict:
+    cuts = np.cumsum(batches)[:-1] if batches else k
+    xs, rs = np.split(x, cuts, axis), np.split(r, cuts, axis)
     feeds = {f"tower_{i}/x:0": xs[i] for i in range(k)}
     feeds.update({f"tower_{i}/r:0": rs[i] for i in range(k)})
     return feeds
@@ -208,6 +211,36 @@ def test_dx_is_stable_far_from_zero(path):
     assert error(unsynced) > 1e-2
 
 
+@pytest.mark.parametrize("batches, spatial", [((3, 0, 2), 4), ((1, 2), 1)])
+def test_static_uneven_towers(batches, spatial, path):
+    """Towers of different static sizes, one of them empty (its moments are NaN: it must weigh 0,
+    not poison the gathered all-reduce) or of a single element per channel (its variance weighs
+    n - 1 = 0): dx and the batch statistics of every tower are those of one device fed all."""
+    k, total = len(batches), sum(batches)
+    rng = np.random.default_rng(5)
+    x = (rng.normal(size=(total, spatial, spatial, C)) * 2 + 3).astype(np.float32)
+    r = rng.normal(size=x.shape).astype(np.float32)
+    names = ("dx", "batch_mean", "batch_variance")
+    want = _run(_towers(1, x.shape), 1, {"tower_0/x:0": x, "tower_0/r:0": r}, [f"tower_0/{n}:0" for n in names])
+    graph = _towers(k, x.shape, batches=batches)
+    result = rewrite_graph(graph, backend="collective")
+    assert len([n for n in result.graph_def.node if n.name.endswith("sync_bn/placed")]) == k  # the gathered combine
+    fetches = [f"tower_{i}/{n}:0" for i in range(k) for n in names]
+    feeds = _split_feeds(k, x, r, batches=batches)
+    got, unsynced = _run(result.graph_def, k, feeds, fetches), _run(graph, k, feeds, fetches)
+
+    def errors(values: list) -> tuple[float, float]:
+        dx = np.concatenate(values[0::3], axis=0)
+        stats = [v for i, v in enumerate(values) if i % 3 and batches[i // 3]]  # the empty tower's own are NaN
+        return (float(np.max(np.abs(dx - want[0])) / np.max(np.abs(want[0]))),
+                max(float(np.max(np.abs(s - w))) for s, w in zip(stats, want[1:] * k)))
+
+    print(f"static towers {batches}, {spatial}x{spatial} {path}: dx {errors(got)[0]:.2e}, statistics {errors(got)[1]:.2e}; "
+          f"unsynced {errors(unsynced)[0]:.2e}, {errors(unsynced)[1]:.2e}")
+    assert max(errors(got)) < 1e-5
+    assert errors(unsynced)[0] > 1e-2
+
+
 @pytest.mark.parametrize("op", ["FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"])
 def test_every_fused_op_version(op, path):
     """With static shapes every tower's count is a constant and no all-reduce carries counts.
@@ -239,8 +272,10 @@ def _op_version_matches_one_device(op: str, path: str, batch: str) -> None:
                if n.op in ("ConcatV2", "Pack") and n.name.endswith("sync_bn_grad/sums")}
     counted = batch == "unknown"
     assert set(payload.values()) == ({3} if counted else {2}), payload  # [n,] sum dy, sum dy*xc
-    forward = {len(n.input) - 1 for n in result.graph_def.node if n.op == "ConcatV2" and n.name.endswith("sync_bn/moments")}
-    assert forward == ({3} if batch == "unknown" else {2}), forward  # [n,] sum, sum of squares
+    # unknown: [n, sum, sum of squares] summed; static: each tower's [mean, spread] gathered, no count
+    summed = {len(n.input) - 1 for n in result.graph_def.node if n.op == "ConcatV2" and n.name.endswith("sync_bn/moments")}
+    gathered = [n for n in result.graph_def.node if n.op == "Pack" and n.name.endswith("sync_bn/placed") and len(n.input) == 2 * k]
+    assert (summed, len(gathered)) == (({3}, 0) if counted else (set(), k)), (summed, gathered)
     # The kernels serve every op version and batch, forward and backward.
     kernels = k if path == "kernels" else 0
     assert (len(kernel_moments(result.graph_def)), len(kernel_gradients(result.graph_def))) == (kernels, kernels)

@@ -28,6 +28,32 @@ import tensorflow as tf  # noqa: E402
 tf1 = tf.compat.v1
 
 
+def build(towers: int, batch: int, image: int) -> tuple[tf.Operation, tf.Tensor, list[tuple[tf.Tensor, tf.Tensor]]]:
+    """The trainer's graph in the default graph: (train op, mean loss, each tower's (images, labels))."""
+    import tf_keras
+
+    opt = tf1.train.MomentumOptimizer(0.01, 0.9)
+    model, grads, losses, feeds = None, [], [], []
+    for k in range(towers):
+        with tf.device(f"/cpu:{k}"), tf.name_scope(f"tower_{k}"):
+            images = tf1.placeholder(tf.float32, [batch, image, image, 3], name="images")
+            labels = tf1.placeholder(tf.int32, [batch], name="labels")
+            if model is None:
+                model = tf_keras.applications.InceptionV3(weights=None, input_shape=(image, image, 3),
+                                                          classes=10, classifier_activation=None)
+            logits = model(images, training=True)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+            grads.append(opt.compute_gradients(loss, var_list=model.trainable_weights))
+            losses.append(loss)
+            feeds.append((images, labels))
+    with tf.device("/cpu:0"):
+        averaged = [(tf.add_n([g for g, _ in per_var]) / towers, per_var[0][1]) for per_var in zip(*grads)]
+        loss = tf.add_n(losses) / towers
+        updates = [u for k in range(towers) for u in model.get_updates_for(feeds[k][0])]
+        train_op = tf.group(opt.apply_gradients(averaged), *updates, name="train_op")
+    return train_op, loss, feeds
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--towers", type=int, default=2)
@@ -36,29 +62,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    import tf_keras
-
     tf1.disable_eager_execution()
     start = time.perf_counter()
-    opt = tf1.train.MomentumOptimizer(0.01, 0.9)
-    model, grads, losses, feeds = None, [], [], []
-    for k in range(args.towers):
-        with tf.device(f"/cpu:{k}"), tf.name_scope(f"tower_{k}"):
-            images = tf1.placeholder(tf.float32, [args.batch, args.image, args.image, 3], name="images")
-            labels = tf1.placeholder(tf.int32, [args.batch], name="labels")
-            if model is None:
-                model = tf_keras.applications.InceptionV3(weights=None, input_shape=(args.image, args.image, 3),
-                                                          classes=10, classifier_activation=None)
-            logits = model(images, training=True)
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
-            grads.append(opt.compute_gradients(loss, var_list=model.trainable_weights))
-            losses.append(loss)
-            feeds.append((images, labels))
-    with tf.device("/cpu:0"):
-        averaged = [(tf.add_n([g for g, _ in per_var]) / args.towers, per_var[0][1]) for per_var in zip(*grads)]
-        loss = tf.add_n(losses) / args.towers
-        updates = [u for k in range(args.towers) for u in model.get_updates_for(feeds[k][0])]
-        train_op = tf.group(opt.apply_gradients(averaged), *updates)
+    train_op, loss, feeds = build(args.towers, args.batch, args.image)
     saver = tf1.train.Saver()
     init = tf1.global_variables_initializer()
     rng = np.random.RandomState(0)

@@ -1,7 +1,7 @@
 """Nodes a synchronized layer adds, per batch-norm site (layer x tower), by layer form and backend.
 
     python tools/layer_nodes.py [--towers 2] [--forms all|NAME,...] [--backends local,collective,nccl]
-                                [--deep 8x20] [--json FILE]
+                                [--deep 8x20] [--inception IMAGE] [--json FILE]
 
 For each form (examples/towers_model.py's two conv+BN layers per tower: the fused op and the
 legacy layer, NHWC (the fused kernels) and NCHW (elementwise passes), float32 and float16, a
@@ -22,7 +22,8 @@ NCCL graphs cannot run on CPU: their step columns come from the same graph with 
 NcclAllReduce group run as one CollectiveReduceV2 (tests/nccl_on_cpu.py), a like-for-like count
 of everything else (NCHW forms left out: on /gpu:k towers_model convolves NCHW, which has no CPU
 kernel). `--deep TxL` adds tools/deep_net.py's T towers x L fused conv+BN layers
-(local backend), where constants pooled per device weigh little per site. The figures are
+(local backend), where constants pooled per device weigh little per site; `--inception 107`
+tools/inception_train.py's InceptionV3 trainer (188 sites a tower). The figures are
 counts, the same on every machine of one TensorFlow version; issue 50's target is <= 16 net
 step nodes per site and <= 2.0 x the as-built kernel launches per step.
 """
@@ -144,12 +145,36 @@ def measure_deep(towers: int, layers: int) -> dict[str, object]:
     return row(f"deep_net {towers}x{layers} fused", "local", sites, a, b)
 
 
+def measure_inception(towers: int, image: int) -> dict[str, object]:
+    """tools/inception_train.py's InceptionV3 trainer (batch 2 a tower), local backend."""
+    import inception_train
+    import numpy as np
+
+    graph = tf.Graph()
+    with graph.as_default():
+        train_op, _, inputs = inception_train.build(towers, 2, image)
+        init = tf1.global_variables_initializer().name
+    rng = np.random.RandomState(0)
+    feeds = {}
+    for x, y in inputs:
+        feeds[x.name] = rng.standard_normal(x.shape.as_list()).astype(np.float32)
+        feeds[y.name] = rng.randint(0, 10, 2).astype(np.int32)
+    before = graph.as_graph_def()
+    result = rewrite_graph(graph)
+    sites = len(result.report.layers) * towers
+    a = count(before, [train_op.name], feeds, towers, init)
+    b = count(result.graph_def, [train_op.name], feeds, towers, init)
+    return row(f"InceptionV3 {towers} towers", "local", sites, a, b)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--towers", type=int, default=2)
     parser.add_argument("--forms", default="all", help=f"all, or some of: {'; '.join(FORMS)} (comma-separated)")
     parser.add_argument("--backends", default="local,collective,nccl")
     parser.add_argument("--deep", default="8x20", help="TxL of tools/deep_net.py, or '' for none")
+    parser.add_argument("--inception", type=int, default=0, metavar="IMAGE",
+                        help="also tools/inception_train.py's trainer on IMAGExIMAGE images (e.g. 107)")
     parser.add_argument("--json", default="", help="also write the rows to this file")
     args = parser.parse_args(argv)
     tf1.disable_eager_execution()
@@ -167,6 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.deep:
         towers, layers = map(int, args.deep.split("x"))
         rows.append(measure_deep(towers, layers))
+    if args.inception:
+        rows.append(measure_inception(args.towers, args.inception))
     print(f"net nodes added per synced site (layer x tower), TensorFlow {tf.__version__}, {args.towers} towers")
     print(f"{'form':28} {'backend':10} {'sites':>5} {'graph':>6} {'consts':>6} {'step':>6} {'launch':>6} "
           f"{'launches x built':>16}")

@@ -79,7 +79,7 @@ class Shared:
 
     consts: ConstPool = field(default_factory=dict)
     sums: dict[str, str] = field(default_factory=dict)
-    counts: dict[tuple[int, int], dict[str, tuple[int | None, int | None]]] = field(default_factory=dict)
+    counts: dict[tuple[int, int], dict[str, tuple[int | None, tuple[int, ...] | None]]] = field(default_factory=dict)
 
 
 def _body_of(scope: str) -> str:

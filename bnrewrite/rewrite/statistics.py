@@ -1,16 +1,18 @@
 """Global batch moments from per-tower ones with one all-reduce; shared by fused and unfused sites.
 
 What: each tower gives its count n, mean m and spread (M2, or the kernel's Bessel-corrected
-variance with its factor n - 1); one float64 all-reduce sums [n m, M2 + n m^2] (weighted by 1/N
-when every count is static, so no count travels), and mean = S/N, variance = SS/N - mean^2.
-Why float64: at a large |mean|/std the m^2 terms cancel; float64 keeps the result at the
-one-device op's error (figures: docs/performance.md, "Numerics"). Invariant: the moments are
-those of the concatenated batch.
+variance, n - 1 times which is M2). Static counts: one all-reduce gathers every tower's [m, spread]
+(each in rows of its own), and mean = sum n m / N, variance = sum (M2 + n (m - mean)^2) / N in the
+work dtype. Else one float64 all-reduce sums [n, n m, M2 + n m^2]. Why: deviations taken from the
+global mean before squaring cancel nothing, so float32 keeps the one-device op's error; the
+summed form needs float64 (docs/performance.md, "Numerics"). Invariant: the moments are those of
+the concatenated batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -18,7 +20,8 @@ from bnrewrite.graph.nodes import DT_DOUBLE, DT_FLOAT, Builder, DType
 from bnrewrite.rewrite.collectives import Collective, all_reduce
 
 D, F = DT_DOUBLE, DT_FLOAT
-_NUMPY = {D: np.float64, F: np.float32}
+#: The numpy type of each work dtype.
+NUMPY_TYPES = {D: np.float64, F: np.float32}
 
 
 @dataclass(frozen=True)
@@ -27,8 +30,8 @@ class Local:
 
     count: str | int  # n: static, or a float64 [1] tensor
     mean: str  # in the work dtype
-    spread: str  # in the work dtype: M2 = spread * factor
-    factor: str | float = 1.0  # static, or a float64 [1] tensor
+    spread: str  # in the work dtype: M2, or the Bessel-corrected variance M2 / (n - 1)
+    unbiased: bool = False  # spread is M2 / (n - 1) (the kernel's variance; 0 when n <= 1)
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,6 @@ class Moments:
     """Tensors (in the work dtype unless noted) of the global moments, flattened per channel."""
 
     collective: str
-    count: str  # float64 [1]: N
     mean: str
     variance: str  # biased: M2 / N
     variance_unbiased: str  # M2 / (N - 1)
@@ -62,7 +64,7 @@ def centred_moments(b: Builder, x: str, dtype: int, axes: list[int], broadcast: 
         local_mean = b.binary("DivNoNan", "local_mean", local_sum, b.cast("count_float", n, D, work), work)
     else:
         n = count
-        local_mean = b.binary("Mul", "local_mean", local_sum, b.const("reciprocal_count", 1.0 / max(count, 1), _NUMPY[work]), work)
+        local_mean = b.binary("Mul", "local_mean", local_sum, b.const("reciprocal_count", 1.0 / max(count, 1), NUMPY_TYPES[work]), work)
     centre = local_mean if keep_dims else b.per_channel("local_mean_b", local_mean, broadcast, work)
     squared = b.binary("SquaredDifference", "squared", xf, centre, work)
     m2 = b.reduce_sum("local_m2", squared, axes_const, work, keep_dims)
@@ -72,30 +74,22 @@ def centred_moments(b: Builder, x: str, dtype: int, axes: list[int], broadcast: 
     return Local(n, local_mean, m2), local_sum
 
 
-def global_moments(b: Builder, local: Local, key: Collective, total: int | None = None, work: int = F) -> Moments:
-    """The global moments from every tower's `local` ones, by one all-reduce. `total`, the
-    global count when every member's is static (bnrewrite.rewrite.passes.sites.static_counts; then
-    local.count and local.factor are static too), folds the counts into constant weights and
-    keeps them out of the all-reduce. `work`: the dtype of `local.mean` and of the moments."""
-    if total is not None:
-        assert isinstance(local.count, int) and isinstance(local.factor, float)
-        # [[n/N m], [factor/N spread]] and its product with [[m], [spread]]: rows 0-2 are what the
-        # all-reduce sums (row 3 rides along: one Mul and one Concat instead of three and two)
-        stacked = b.cast("local64", b.node("Pack", "local", [local.mean, local.spread], T=DType(work), N=2, axis=0), work, D)
-        weights = b.const("weights64", [[local.count / total], [local.factor / total]], np.float64)
-        # MulNoNan: a weight of 0 (no examples, or n = 1 for the kernel's variance) zeroes a NaN moment
-        weighted = b.binary("MulNoNan", "weighted64", stacked, weights, D)
-        reduced = all_reduce(b, "all_reduce", b.concat("moments", [weighted, b.binary("MulNoNan", "weighted_sq64", stacked, weighted, D)], D), D, key)
-        rows = b.node("Unpack", "global", [reduced], T=DType(D), num=4, axis=0)
-        mean64, mean_sq64 = rows, b.binary("AddV2", "mean_sq64", f"{rows}:1", f"{rows}:2", D)
-        # E[x^2] - E[x]^2 in float64: at |mean|/std = 1000 it keeps ~1e-10 of the variance
-        variance = b.cast("variance", b.binary("Sub", "variance64", mean_sq64, b.unary("Square", "mean_squared64", mean64, D), D), D, work)
-        return Moments(collective=reduced, count=b.const("total64", [float(total)], np.float64), mean=b.cast("mean", mean64, D, work),
-                       variance=variance, variance_unbiased=b.binary("Mul", "variance_unbiased", variance, b.const("bessel", total / (total - 1.0), _NUMPY[work]), work))
+def global_moments(b: Builder, local: Local, key: Collective, counts: Sequence[int] | None = None,
+                   channels: int | None = None, work: int = F) -> Moments:
+    """The global moments from every tower's `local` ones, by one all-reduce. `counts`, every
+    member's count in member order when all are static (bnrewrite.rewrite.passes.sites.static_counts),
+    keeps the counts out of the all-reduce; `channels`, the moments' length, is then static too.
+    `work`: the dtype of `local.mean` and of the moments."""
+    if counts is not None:
+        assert channels, "static counts come from static shapes"
+        return _gathered_moments(b, local, key, counts, channels, work)
     m64, spread = b.cast("local_mean64", local.mean, work, D), b.cast("local_spread64", local.spread, work, D)
     n = local.count if isinstance(local.count, str) else b.const("count", [float(local.count)], np.float64)
-    # MulNoNan: a tower of no examples gives the kernel's NaN moments, which must weigh 0
-    m2 = spread if local.factor == 1.0 else b.binary("MulNoNan", "local_m2_64", spread, _float64(b, "factor", local.factor), D)
+    m2 = spread
+    if local.unbiased:  # n - 1, and 0 for a tower of no examples
+        factor = b.unary("Relu", "count_minus_one", b.binary("Sub", "count_less_one", n, b.const("one64", 1.0, np.float64), D), D)
+        # MulNoNan: a tower of no examples gives the kernel's NaN moments, which must weigh 0
+        m2 = b.binary("MulNoNan", "local_m2_64", spread, factor, D)
     s = b.binary("MulNoNan", "sum64", m64, n, D)
     ss = b.binary("AddV2", "sumsq64", m2, b.binary("MulNoNan", "mean_sq64", m64, s, D), D)
     reduced = all_reduce(b, "all_reduce", b.concat("moments", [n, s, ss], D), D, key)
@@ -106,13 +100,36 @@ def global_moments(b: Builder, local: Local, key: Collective, total: int | None 
     bessel = b.binary("Sub", "count_minus_one", total_count, b.const("one64", 1.0, np.float64), D)
     return Moments(
         collective=reduced,
-        count=total_count,
         mean=b.cast("mean", mean64, D, work),
         variance=b.cast("variance", b.binary("DivNoNan", "variance64", m2g, total_count, D), D, work),
         variance_unbiased=b.cast("variance_unbiased", b.binary("DivNoNan", "variance_unbiased64", m2g, bessel, D), D, work),
     )
 
 
-def _float64(b: Builder, name: str, value: str | float) -> str:
-    """A float64 scalar: a constant, or `value` itself when it is a tensor."""
-    return value if isinstance(value, str) else b.const(name, value, np.float64)
+def _gathered_moments(b: Builder, local: Local, key: Collective, counts: Sequence[int], channels: int, work: int) -> Moments:
+    """Static counts: member j's [m, spread] in rows 2j, 2j+1 of a [2K, C] all-reduce (zeros
+    elsewhere), so every tower holds every tower's moments; then two contractions with constant
+    weights: mean = sum_j n_j/N m_j, and variance = sum_j (n_j (m_j - mean)^2 + f_j spread_j) / N,
+    f_j = n_j - 1 or 1. A tower of no examples gives zeros (its kernel's moments are NaN)."""
+    rows, total, dtype = 2 * len(counts), float(sum(counts)), NUMPY_TYPES[work]
+    zeros = b.const("zeros", np.zeros([channels], dtype), dtype)
+    mine = [zeros, zeros] if counts[key.member] == 0 else [local.mean, local.spread]
+    placed = b.node("Pack", "placed", [zeros] * (2 * key.member) + mine + [zeros] * (rows - 2 * key.member - 2),
+                    T=DType(work), N=rows, axis=0)
+    gathered = all_reduce(b, "all_reduce", placed, work, key)
+    means = np.zeros(rows, dtype)
+    means[0::2] = [n / total for n in counts]
+    spreads = np.zeros(rows, dtype)
+    spreads[1::2] = [((n - 1.0) if local.unbiased else 1.0) / total if n else 0.0 for n in counts]
+    mean = _contract(b, "mean", gathered, b.const("mean_weights", means, dtype), work)
+    # the mean rows' squared deviations (the spread rows' go unused) and the spreads, weighted
+    deviations = b.binary("SquaredDifference", "deviations", gathered, mean, work)
+    both = b.concat("deviations_and_spreads", [deviations, gathered], work)
+    variance = _contract(b, "variance", both, b.const("variance_weights", np.concatenate([means, spreads]), dtype), work)
+    return Moments(collective=gathered, mean=mean, variance=variance,
+                   variance_unbiased=b.binary("Mul", "variance_unbiased", variance, b.const("bessel", total / (total - 1.0), dtype), work))
+
+
+def _contract(b: Builder, name: str, rows: str, weights: str, work: int) -> str:
+    """sum_r weights[r] * rows[r]: a [C] vector from [R, C] rows and [R] weights, in one op."""
+    return b.node("Einsum", name, [rows, weights], equation="rc,r->c", N=2, T=DType(work))

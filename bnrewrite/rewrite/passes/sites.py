@@ -72,12 +72,12 @@ def static_count(graph: Graph, x: str, scale: str) -> int | None:
     return elements // channels if elements is not None and channels else None
 
 
-def static_counts(ctx: SiteContext, phase: int, x_and_scale: Callable[[Site], Sequence[str] | None]) -> tuple[int | None, int | None]:
-    """(n, N) for ctx's tower in its layer (fused sites) and `phase` (0 forward, j+1 gradient j):
+def static_counts(ctx: SiteContext, phase: int, x_and_scale: Callable[[Site], Sequence[str] | None]) -> tuple[int | None, tuple[int, ...] | None]:
+    """(n, counts) for ctx's tower in its layer (fused sites) and `phase` (0 forward, j+1 gradient j):
     the static_count of the x and scale tensors `x_and_scale` picks from a copy's site (None:
-    the copy has none), and the sum over its sync group when every member is in this graph (one
-    worker) and known, and above 1 (the unbiased variance divides by N - 1); else None, and the
-    count then travels in the all-reduce. Worked out for every tower once per layer and phase."""
+    the copy has none), and every member's of its sync group in member order when all of them are
+    in this graph (one worker) and known, and sum above 1 (the unbiased variance divides by N - 1);
+    else None, and the count then travels in the all-reduce. Worked out once per layer and phase."""
     key = (ctx.layer, phase)
     known = ctx.shared.counts.get(key)
     if known is None:
@@ -88,8 +88,8 @@ def static_counts(ctx: SiteContext, phase: int, x_and_scale: Callable[[Site], Se
             counts[tower] = static_count(ctx.graph, *picked) if picked else None
         known = ctx.shared.counts[key] = {}
         for members in plan.sync_groups:
-            group = [counts.get(tower) for tower in members]
-            total = None if plan.options.num_workers != 1 or None in group else sum(group)  # type: ignore[arg-type]
+            group = tuple(counts.get(tower) for tower in members)
+            static = plan.options.num_workers == 1 and None not in group and sum(group) > 1  # type: ignore[arg-type]
             for tower in members:
-                known[tower] = (counts.get(tower), total if total is not None and total > 1 else None)
+                known[tower] = (counts.get(tower), group if static else None)  # type: ignore[assignment]
     return known.get(ctx.tower, (None, None))

@@ -146,4 +146,5 @@ def _static_total(ctx: SiteContext, phase: int) -> int | None:
     def x_and_scale(copy: Site) -> Sequence[str] | None:
         return ctx.graph.node(copy.grads[phase - 1]).input[1:3] if len(copy.grads) >= phase else None
 
-    return static_counts(ctx, phase, x_and_scale)[1]
+    counts = static_counts(ctx, phase, x_and_scale)[1]
+    return sum(counts) if counts else None

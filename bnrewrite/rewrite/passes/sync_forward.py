@@ -38,13 +38,14 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     controls = [i for i in node.input if i.startswith("^")]
     b = ctx.builder(site.name, "sync_bn", node.device)
     T, U = site.dtype, site.stat_dtype
-    count, total = static_counts(ctx, 0, lambda copy: ctx.graph.node(copy.name).input[:2])
+    count, counts = static_counts(ctx, 0, lambda copy: ctx.graph.node(copy.name).input[:2])
+    total = sum(counts) if counts else None
     kernels = takes_kernels(site)
     if kernels:
         local = _kernel_moments(b, x, scale, offset, site, count)
     else:
         local, _ = centred_moments(b, x, T, site.reduce_axes, site.channel_shape, count=count)
-    moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower), total)
+    moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower), counts, ctx.graph.static_elements(scale))
     mean, var = moments.mean, moments.variance
     # reserve_space_2 holds what the gradient reads: the variance on the kernel path, else 1/std
     spread = var if kernels else b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", var, b.const("epsilon", site.epsilon, np.float32), F), F)
@@ -105,15 +106,12 @@ def _move_statistics(ctx: SiteContext, site: str, statistics: list[str]) -> None
 
 def _kernel_moments(b: Builder, x: str, scale: str, offset: str, site: Site, count: int | None) -> Local:
     """The local moments from a training-mode FusedBatchNormV3 (channels last), whose y goes
-    unused: its mean, and its Bessel-corrected variance, n - 1 times which is M2."""
+    unused: its mean, and its Bessel-corrected variance."""
     empty = b.const("empty", np.zeros([0], np.float32), np.float32)
     local = b.node("FusedBatchNormV3", "local_moments", [x, scale, offset, empty, empty], epsilon=site.epsilon,
                    data_format="NHWC", is_training=True, exponential_avg_factor=1.0, T=DType(site.dtype), U=DType(F))
-    if count is not None:
-        return Local(count, f"{local}:1", f"{local}:2", count - 1.0)
-    n = b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, DT_DOUBLE)
-    n_minus_one = b.unary("Relu", "count_minus_one", b.binary("Sub", "count_less_one", n, b.const("one64", 1.0, np.float64), DT_DOUBLE), DT_DOUBLE)
-    return Local(n, f"{local}:1", f"{local}:2", n_minus_one)  # n - 1, and 0 for a tower of no examples
+    n = count if count is not None else b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, DT_DOUBLE)
+    return Local(n, f"{local}:1", f"{local}:2", unbiased=True)
 
 
 def _blend(b: Builder, name: str, value: str, running: str, site: Site) -> str:

@@ -6,7 +6,8 @@ unknown shape); the gradient of the variance does the same with g_v before multi
 2(x - mean). The exact gradient of the global moments needs sum(g_m)/N and sum(g_v)/N
 over all towers (each tower's g is K times its share of the averaged loss, as for fused
 batch norm). One all-reduce of [n_i, g_m, g_v] gives the sums and N, and the incoming
-gradients are replaced by sum(g) * n_i / N, so the existing division leaves sum(g)/N.
+gradients are replaced by sum(g) * n_i / N, so the existing division leaves sum(g)/N (n_i / N
+a constant, and no count in the all-reduce, when every count is static).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from bnrewrite.rewrite.collectives import all_reduce
 from bnrewrite.rewrite.functions import in_body
 from bnrewrite.rewrite.passes.record import PassRecord
 from bnrewrite.rewrite.passes.sites import SiteContext, each_site
-from bnrewrite.rewrite.passes.sync_moments_forward import working_dtype
+from bnrewrite.rewrite.passes.sync_moments_forward import moments_counts, working_dtype
 from bnrewrite.rewrite.plan import Plan
+from bnrewrite.rewrite.statistics import NUMPY_TYPES
 
 
 def sync_moments_backward(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
@@ -36,11 +38,17 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
         flat = b.const("flat", [-1])
         incoming = [graph.node(e).input[0] for e in entries]
         local = [b.cast(f"g{i}_float", b.reshape(f"g{i}_flat", g, flat, site.dtype), site.dtype, work) for i, g in enumerate(incoming)]
-        count = _local_count(b, graph, entries[0], site.x, site, work)
         key = ctx.plan.collective(ctx.layer, phase, ctx.tower)
-        reduced = all_reduce(b, "all_reduce", b.concat("sums", [count, *local], work), work, key)
-        total, sums = b.split_count("global", reduced, work)
-        share = b.binary("DivNoNan", "share", count, total, work)
+        n, counts = moments_counts(ctx)
+        if counts is not None:  # n_i / N a constant, no count in the all-reduce
+            reduced = all_reduce(b, "all_reduce", b.concat("sums", local, work), work, key)
+            sums = b.split_pairs("global", reduced, work)
+            share = b.const("share", [n / sum(counts)], NUMPY_TYPES[work])
+        else:
+            count = _local_count(b, graph, entries[0], site.x, site, work)
+            reduced = all_reduce(b, "all_reduce", b.concat("sums", [count, *local], work), work, key)
+            total, sums = b.split_count("global", reduced, work)
+            share = b.binary("DivNoNan", "share", count, total, work)
         for i, (entry, g, summed) in enumerate(zip(entries, incoming, sums)):
             shape = b.node("Shape", f"g{i}_shape", [g], T=DType(site.dtype), out_type=DType(DT_INT32))
             scaled = b.cast(f"g{i}_scaled", b.binary("Mul", f"g{i}_share", summed, share, work), work, site.dtype)

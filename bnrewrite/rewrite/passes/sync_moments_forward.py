@@ -13,7 +13,7 @@ from bnrewrite.graph.index import Graph
 from bnrewrite.graph.nodes import DT_DOUBLE, DT_FLOAT, DT_INT32, DType, identity_n
 from bnrewrite.match.census import Site
 from bnrewrite.rewrite.passes.record import PassRecord
-from bnrewrite.rewrite.passes.sites import SiteContext, each_site
+from bnrewrite.rewrite.passes.sites import SiteContext, each_site, static_counts
 from bnrewrite.rewrite.plan import Plan
 from bnrewrite.rewrite.statistics import centred_moments, global_moments
 
@@ -25,6 +25,12 @@ def working_dtype(site: Site) -> int:
     return DT_DOUBLE if site.dtype == DT_DOUBLE else DT_FLOAT
 
 
+def moments_counts(ctx: SiteContext) -> tuple[int | None, tuple[int, ...] | None]:
+    """(n, every member's n) of ctx's tower and layer when static (static_counts): the elements
+    of x per element of the Mean."""
+    return static_counts(ctx, 0, lambda copy: (copy.x, copy.name))
+
+
 def sync_moments_forward(graph: Graph, plan: Plan) -> tuple[Graph, PassRecord]:
     return each_site(graph, plan, "sync_moments_forward", "moments", _rewrite_site)
 
@@ -34,8 +40,9 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     node = graph.node(site.name)
     b = ctx.builder(site.name, "sync_moments", node.device)
     work = working_dtype(site)
-    local, local_sum = centred_moments(b, node.input[0], site.dtype, site.reduce_axes, None, work=work)
-    moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower), work=work)
+    count, counts = moments_counts(ctx)
+    local, local_sum = centred_moments(b, node.input[0], site.dtype, site.reduce_axes, None, count, work)
+    moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower), counts, graph.static_elements(site.name), work)
     shape = b.node("Shape", "keep_dims_shape", [local_sum], T=DType(work), out_type=DType(DT_INT32))
     for name, value in ((site.name, moments.mean), (site.variance, moments.variance)):
         if site.keep_dims:
