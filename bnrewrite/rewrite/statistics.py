@@ -87,7 +87,8 @@ def global_moments(b: Builder, local: Local, key: Collective, counts: Sequence[i
     n = local.count if isinstance(local.count, str) else b.const("count", [float(local.count)], np.float64)
     m2 = spread
     if local.unbiased:  # n - 1, and 0 for a tower of no examples
-        factor = b.unary("Relu", "count_minus_one", b.binary("Sub", "count_less_one", n, b.const("one64", 1.0, np.float64), D), D)
+        factor = (b.const("count_minus_one", [max(local.count - 1.0, 0.0)], np.float64) if isinstance(local.count, int) else
+                  b.unary("Relu", "count_minus_one", b.binary("Sub", "count_less_one", n, b.const("one64", 1.0, np.float64), D), D))
         # MulNoNan: a tower of no examples gives the kernel's NaN moments, which must weigh 0
         m2 = b.binary("MulNoNan", "local_m2_64", spread, factor, D)
     s = b.binary("MulNoNan", "sum64", m64, n, D)
