@@ -335,7 +335,7 @@ def _census(model: Graph, aliases: Mapping[str, Mapping[str, str]] | None = None
             f"{f.signature.name}/{n.name}" for f in model.library.function for n in f.node_def if MARK in n.attr
         )
     if bodies is not None:
-        functions.adopt_sites(combined, bodies, census, functions.called_functions(model))
+        functions.adopt_sites(combined, bodies, census)
     walks = Walks(combined)
     census.not_run = not_run(combined, census.sites, walks)
     if census.not_run:

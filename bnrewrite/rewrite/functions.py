@@ -55,6 +55,7 @@ class Bodies:
     bodies: list[Body]
     forward: dict[str, Body]  # prefix -> body of a forward branch
     skipped: list[tuple[str, str]]  # (forward If, why its branches stay as they are)
+    called: frozenset[str]  # every function some node calls
 
     @property
     def functions(self) -> set[str]:
@@ -89,25 +90,22 @@ def output_ranges(node: node_def_pb2.NodeDef) -> list[tuple[str, int, int]]:
 
 
 def _calls(graph: Graph) -> dict[str, int]:
-    """Function name -> how many nodes (top level or in the library) call it."""
+    """Function name -> how many nodes (top level or in the library) call it, by op or attr."""
     count: dict[str, int] = {}
     nodes = list(graph)
     if graph.library is not None:
         for f in graph.library.function:
             nodes.extend(f.node_def)
     for node in nodes:
-        names = [node.op]
+        count[node.op] = count.get(node.op, 0) + 1
         for value in node.attr.values():
-            if value.HasField("func"):
-                names.append(value.func.name)
-            names.extend(f.name for f in value.list.func)
-        for n in names:
-            count[n] = count.get(n, 0) + 1
+            kind = value.WhichOneof("value")
+            if kind == "func":
+                count[value.func.name] = count.get(value.func.name, 0) + 1
+            elif kind == "list":
+                for f in value.list.func:
+                    count[f.name] = count.get(f.name, 0) + 1
     return count
-
-
-def called_functions(graph: Graph) -> set[str]:
-    return {name for name, n in _calls(graph).items() if n}
 
 
 def flatten(graph: Graph) -> tuple[Graph, Bodies | None]:
@@ -116,6 +114,7 @@ def flatten(graph: Graph) -> tuple[Graph, Bodies | None]:
         return graph, None
     library = graph.functions
     calls = _calls(graph)
+    called = frozenset(name for name, n in calls.items() if n)
     ifs = [n for n in graph if n.op in IF_OPS]
     forward_ifs = []
     skipped: list[tuple[str, str]] = []
@@ -158,12 +157,12 @@ def flatten(graph: Graph) -> tuple[Graph, Bodies | None]:
                            fwd, fb)
                 bodies.append(gb)
     if not bodies:
-        return graph, Bodies([], {}, skipped)
+        return graph, Bodies([], {}, skipped, called)
     editor = Editor(graph)
     for body in bodies:
         for node in [*body.pseudo.values(), *body.created.values()]:
             editor.add(node)
-    return editor.finish(), Bodies(bodies, forward, skipped)
+    return editor.finish(), Bodies(bodies, forward, skipped, called)
 
 
 def _body(function: function_pb2.FunctionDef, prefix: str, caller: node_def_pb2.NodeDef,
@@ -366,7 +365,7 @@ def _write_body(graph: Graph, body: Body, nodes: list[node_def_pb2.NodeDef], own
         function.ret[key] = convert(spec)  # type: ignore[assignment]
 
 
-def adopt_sites(graph: Graph, bodies: Bodies, census: Census, called: set[str]) -> None:
+def adopt_sites(graph: Graph, bodies: Bodies, census: Census) -> None:
     """Sites in If branches leave through the If's outputs; skips and inference-mode batch norm
     counted in the function library name only what stays unflattened and is called."""
     flattened = bodies.functions
@@ -375,7 +374,7 @@ def adopt_sites(graph: Graph, bodies: Bodies, census: Census, called: set[str]) 
         if not node.startswith("function "):
             return True
         name = node[len("function "):].split("/", 1)[0]
-        return name not in flattened and name in called  # uncalled functions are dead code
+        return name not in flattened and name in bodies.called  # uncalled functions are dead code
 
     census.skips = [s for s in census.skips if still_reported(s.node)]
     census.inference = [n for n in census.inference if still_reported(n)]
