@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import io as std_io
 import json
 import os
@@ -28,7 +27,8 @@ from collections import Counter
 from model_files import tree_snapshot
 
 from bnrewrite import cli
-from bnrewrite.io import convert, staging
+from bnrewrite import io as bnrewrite_io
+from bnrewrite.io import Model, staging
 
 PATCHED = [(os, "rename"), (os, "replace"), (os, "link"), (os, "remove"), (shutil, "rmtree")]
 FAULTS = ["oserror", "interrupt", "SIGINT", "SIGTERM", "SIGHUP"]
@@ -82,18 +82,20 @@ class Injector:
         return code, out.getvalue() + err.getvalue()
 
 
-def checked_once(check):  # noqa: ANN001, ANN201 - convert's check_result
-    """convert's loader check, run once per distinct result: every trial of a scene rewrites the
-    same input to the same bytes, and the faults go into the commit that follows the check."""
-    passed: set[bytes] = set()
+def once_per_input(function):  # noqa: ANN001, ANN201 - io.load, io.rewrite
+    """`function` (convert's load or rewrite) run once per distinct arguments: every trial of a
+    scene loads and rewrites the same input to the same result, and the faults go into the
+    commit that follows (a result that differed would show in the outputs `judge` compares
+    with the clean run's). Arguments are keyed by value, a loaded Model by identity."""
+    results: dict[str, object] = {}
 
-    def checked(original, result, *args, **kwargs):  # noqa: ANN001, ANN202
-        key = hashlib.sha256(result.message.SerializeToString(deterministic=True)).digest()
-        if key not in passed:
-            check(original, result, *args, **kwargs)
-            passed.add(key)
+    def cached(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        key = repr([id(a) if isinstance(a, Model) else a for a in args] + sorted(kwargs.items()))
+        if key not in results:
+            results[key] = function(*args, **kwargs)
+        return results[key]
 
-    return checked
+    return cached
 
 
 def snapshot(root: str) -> dict[str, str]:
@@ -154,7 +156,7 @@ def judge(before: dict, new: dict, after: dict, code: int, text: str) -> str:
 
 
 def main(models: str, work: str) -> dict:
-    convert.check_result = checked_once(convert.check_result)
+    bnrewrite_io.load, bnrewrite_io.rewrite = once_per_input(bnrewrite_io.load), once_per_input(bnrewrite_io.rewrite)
     inputs = {p: tree_snapshot(os.path.join(models, p)) for p in ("saved", "towers.pb")}
     injector = Injector()
     summary: dict = {"trials": 0, "outcomes": Counter(), "bad": [], "steps": {}}

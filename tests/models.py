@@ -98,12 +98,23 @@ def one_device_run(spec: Spec, steps: int) -> Result:
     return train(reference.graph, reference, make_batches(spec, steps), num_devices=1)
 
 
-@functools.lru_cache(maxsize=None)
-def unrewritten_run(spec: Spec, steps: int) -> Result:
+_UNREWRITTEN: dict[tuple[Spec, int], Result] = {}
+
+
+def unrewritten_run(spec: Spec, steps: int, built: Built | None = None) -> Result:
     """The K-tower graph as built, not rewritten, trained on make_batches(spec, steps): the
-    oracle's must-not-match side, trained once per test process (treat it as read-only)."""
-    built = build_towers(spec)
-    return train(built.graph, built, make_batches(spec, steps), num_devices=spec.towers)
+    oracle's must-not-match side, trained once per test process (treat it as read-only).
+    `built`: the caller's own build_towers(spec), not yet rewritten nor run: a copy of its
+    GraphDef is trained, which spares building the towers again (its Python graph is left alone)."""
+    key = (spec, steps)
+    if key not in _UNREWRITTEN:
+        if built is None:
+            built = build_towers(spec)
+            graph = built.graph
+        else:
+            graph = built.graph.as_graph_def()
+        _UNREWRITTEN[key] = train(graph, built, make_batches(spec, steps), num_devices=spec.towers)
+    return _UNREWRITTEN[key]
 
 
 def assert_synced(label: str, synced: Result, unsynced: Result, expected: Result, tolerance: float) -> float:

@@ -1,6 +1,7 @@
 """rewrite_graph's contract: NCCL structure, keys and order, names kept, input untouched,
 idempotence, the report, and one specific exception per kind of bad input."""
 
+import functools
 import json
 from collections import defaultdict
 
@@ -20,6 +21,13 @@ from models import Spec, build_reference, build_towers
 
 tf1 = tf.compat.v1
 BN_LAYERS = 2  # the harness model has two batch-norm layers
+
+
+@functools.lru_cache(maxsize=None)
+def towers(spec: Spec):
+    """build_towers(spec), built once per process: every test here rewrites it not in place, or a
+    copy of its GraphDef, and leaves it as it was."""
+    return build_towers(spec)
 
 
 def _by_op(graph_def, op):
@@ -44,7 +52,7 @@ def _chain_order(graph_def, names):
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_nccl_structure_on_gpu_towers(k):
-    built = build_towers(Spec(towers=k, device="gpu"))
+    built = towers(Spec(towers=k, device="gpu"))
     result = rewrite_graph(built.graph)  # auto: every tower is a GPU
     assert result.report.backend == "nccl"
     nccl = _by_op(result.graph_def, "NcclAllReduce")
@@ -75,7 +83,7 @@ def test_nccl_structure_on_gpu_towers(k):
 
 def test_collective_keys():
     k = 4
-    result = rewrite_graph(build_towers(Spec(towers=k)).graph, backend="collective")
+    result = rewrite_graph(towers(Spec(towers=k)).graph, backend="collective")
     reduces = _by_op(result.graph_def, "CollectiveReduceV2")
     assert len(reduces) == 2 * BN_LAYERS * k
     consts = {n.name: tf.make_ndarray(n.attr["value"].tensor) for n in _by_op(result.graph_def, "Const")}
@@ -89,7 +97,7 @@ def test_collective_keys():
 
 
 def test_sync_groups_split_towers():
-    result = rewrite_graph(build_towers(Spec(towers=4)).graph, backend="collective", group_size=2)
+    result = rewrite_graph(towers(Spec(towers=4)).graph, backend="collective", group_size=2)
     assert result.report.sync_groups == [["/device:CPU:0", "/device:CPU:1"], ["/device:CPU:2", "/device:CPU:3"]]
     consts = {n.name: tf.make_ndarray(n.attr["value"].tensor) for n in _by_op(result.graph_def, "Const")}
     groups = defaultdict(set)
@@ -100,7 +108,7 @@ def test_sync_groups_split_towers():
 
 
 def test_input_untouched_names_kept_and_report():
-    built = build_towers(Spec(towers=2))
+    built = towers(Spec(towers=2))
     graph_def = built.graph.as_graph_def()
     before = graph_def.SerializeToString(deterministic=True)
     result = rewrite_graph(graph_def)
@@ -127,7 +135,7 @@ def test_input_untouched_names_kept_and_report():
 
 
 def test_meta_graph_collections_stay_consistent():
-    built = build_towers(Spec(towers=2))
+    built = towers(Spec(towers=2))
     result = rewrite_graph(built.graph)
     assert result.meta_graph_def is not None
     names = {n.name for n in result.meta_graph_def.graph_def.node}
@@ -140,7 +148,7 @@ def test_meta_graph_collections_stay_consistent():
 
 
 def test_rewriting_twice():
-    result = rewrite_graph(build_towers(Spec(towers=2)).graph)
+    result = rewrite_graph(towers(Spec(towers=2)).graph)
     with pytest.raises(bnrewrite.AlreadyRewrittenError, match="already rewritten"):
         rewrite_graph(result.graph_def)
     again = rewrite_graph(result.graph_def, if_rewritten="keep")
@@ -202,7 +210,7 @@ def test_layer_missing_in_one_tower_refuses_the_graph_unless_allow_unsynced():
     "make, error, message",
     [
         (lambda: build_reference(Spec(towers=2)).graph, bnrewrite.NoTowersError, "only one tower"),
-        (lambda: build_towers(Spec(towers=1)).graph, bnrewrite.NoTowersError, "only one tower"),
+        (lambda: towers(Spec(towers=1)).graph, bnrewrite.NoTowersError, "only one tower"),
         (_inference_graph, bnrewrite.InferenceOnlyError, "inference mode"),
         (_no_bn_graph, bnrewrite.NoBatchNormError, "no batch-norm op"),
         (_misaligned_graph, bnrewrite.TowerMismatchError, "lines up"),
@@ -217,7 +225,7 @@ def test_bad_input_raises_specific_error(make, error, message):
 
 
 def test_bad_options():
-    graph = build_towers(Spec(towers=2)).graph
+    graph = towers(Spec(towers=2)).graph
     with pytest.raises(bnrewrite.BackendError, match=r'nccl needs every tower on a GPU.*; use backend="local" \(or backend="collective" across workers\)$'):
         rewrite_graph(graph, backend="nccl")  # in Python's words, not the command line's
     with pytest.raises(bnrewrite.BnRewriteError, match='with several workers use backend="collective"$'):
@@ -225,7 +233,7 @@ def test_bad_options():
     with pytest.raises(bnrewrite.BackendError, match="unknown backend"):
         rewrite_graph(graph, backend="mpi")
     with pytest.raises(bnrewrite.BnRewriteError, match="divide"):
-        rewrite_graph(build_towers(Spec(towers=4)).graph, group_size=3)
+        rewrite_graph(towers(Spec(towers=4)).graph, group_size=3)
     with pytest.raises(bnrewrite.BnRewriteError, match="takes a tf.Graph"):
         rewrite_graph("model.pb")
 
@@ -235,7 +243,7 @@ def test_inference_batch_norm_in_v2_branches_is_counted_once():
     again from the function library (which counts it when the branch stays unflattened)."""
     from bnrewrite.rewrite.api import take_census
 
-    graph = build_towers(Spec(towers=2, layer="legacy_cond_v2")).graph
+    graph = towers(Spec(towers=2, layer="legacy_cond_v2")).graph
     _, _, census = take_census(Graph.from_graph_def(graph.as_graph_def()))
     assert (len(census.sites), len(census.inference)) == (4, 4)
     assert all("/_fn_else/" in name for name in census.inference)
@@ -244,7 +252,7 @@ def test_inference_batch_norm_in_v2_branches_is_counted_once():
 @pytest.mark.parametrize("layer", ["legacy", "legacy_cond_v1", "moments_cond_v2"])
 def test_in_place_gives_the_same_graph_in_the_input_order(layer):
     """Also with branch functions, which the rewrite flattens into the graph and writes back."""
-    graph_def = build_towers(Spec(towers=2, layer=layer)).graph.as_graph_def()
+    graph_def = towers(Spec(towers=2, layer=layer)).graph.as_graph_def()
     original = [n.name for n in graph_def.node]
     copied = rewrite_graph(graph_def, backend="collective").graph_def
     result = rewrite_graph(graph_def, backend="collective", in_place=True)
@@ -257,7 +265,7 @@ def test_in_place_gives_the_same_graph_in_the_input_order(layer):
 
 
 def test_meta_graph_def_copied_or_in_place_and_its_collections():
-    graph = build_towers(Spec(towers=2)).graph
+    graph = towers(Spec(towers=2)).graph
     with graph.as_default():
         meta = tf1.train.export_meta_graph(graph=graph)
     before = meta.SerializeToString(deterministic=True)
@@ -275,7 +283,7 @@ def test_meta_graph_def_copied_or_in_place_and_its_collections():
 
 
 def test_in_place_rewrite_that_fails_leaves_the_graph_as_it_was(monkeypatch):
-    graph_def = build_towers(Spec(towers=2)).graph.as_graph_def()
+    graph_def = towers(Spec(towers=2)).graph.as_graph_def()
     before = graph_def.SerializeToString(deterministic=True)
 
     def passes_then_failure(graph, plan):

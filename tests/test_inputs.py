@@ -286,16 +286,26 @@ def test_malformed_graph_is_a_validation_error(base, case, mutate, message):
         rewrite_graph(graph_def)
 
 
+def _main(*args: str) -> tuple[int, str, str]:
+    """The command line's main() run in this process on ARGS: (exit code, stderr, stdout)."""
+    from bnrewrite.cli import main
+
+    err, out = StringIO(), StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        code = main(list(args))
+    return code, err.getvalue(), out.getvalue()
+
+
 def test_malformed_graph_through_the_command_line(tmp_path, base):
-    """T int32 on a batch norm: exit 11 (GraphValidationError), nothing written; it used to exit
-    0 with an output TensorFlow cannot import."""
+    """T int32 on a batch norm: convert (run by main() in process) exits 11 (GraphValidationError),
+    nothing written; it used to exit 0 with an output TensorFlow cannot import."""
     graph_def = _copy(base)
     _set("T", type=tf.int32.as_datatype_enum)(graph_def)
     path, out = tmp_path / "in.pb", tmp_path / "out.pb"
     path.write_bytes(graph_def.SerializeToString())
-    proc, _, _ = _cli("convert", str(path), str(out))
-    assert proc.returncode == GraphValidationError.exit_code, proc.stderr
-    assert proc.stderr.startswith("bnrewrite: error: ") and "DT_INT32" in proc.stderr
+    code, err, _ = _main("convert", str(path), str(out))
+    assert code == GraphValidationError.exit_code, err
+    assert err.startswith("bnrewrite: error: ") and "DT_INT32" in err
     assert not out.exists()
 
 
@@ -305,17 +315,13 @@ def test_untouched_node_tensorflow_rejects_through_the_command_line(tmp_path, ba
     """A node the rewrite would copy as it is, which TensorFlow's import rejects: convert (run by
     main() in process) exits with GraphValidationError's code and one line, nothing written;
     it used to exit 0 with an output TensorFlow cannot import."""
-    from bnrewrite.cli import main
-
     graph_def = _copy(base)
     next(m for m in MALFORMED if m[0] == case)[1](graph_def)
     path, out = tmp_path / "in.pb", tmp_path / "out.pb"
     path.write_bytes(graph_def.SerializeToString())
-    err = StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(StringIO()):
-        code = main(["convert", str(path), str(out)])
-    assert code == GraphValidationError.exit_code, err.getvalue()
-    lines = err.getvalue().splitlines()
+    code, err, _ = _main("convert", str(path), str(out))
+    assert code == GraphValidationError.exit_code, err
+    lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("bnrewrite: error: node "), lines
     assert not out.exists() and os.listdir(tmp_path) == ["in.pb"]
 
@@ -707,7 +713,9 @@ def test_tower_without_device_is_shown_as_no_device():
 
 
 def test_inspect_json_prints_json_on_failure(tmp_path, base):
-    """Format, validation and nothing-to-do failures all print one JSON document with the error."""
+    """Format, validation and nothing-to-do failures all print one JSON document with the error
+    (the format errors from a process of its own, which imports no TensorFlow for them; the
+    validation error from main() in this process)."""
     zeros = tmp_path / "zeros.pb"
     zeros.write_bytes(b"\0" * 1000)
     malformed = _copy(base)
@@ -715,11 +723,15 @@ def test_inspect_json_prints_json_on_failure(tmp_path, base):
     bad_graph = tmp_path / "bad_graph.pb"
     bad_graph.write_bytes(malformed.SerializeToString())
     for path, error in ((zeros, "InputFormatError"), (bad_graph, "GraphValidationError"), (tmp_path / "nothing", "InputFormatError")):
-        proc, _, _ = _cli("inspect", str(path), "--json")
-        document = json.loads(proc.stdout)
+        if error == "InputFormatError":
+            proc, _, _ = _cli("inspect", str(path), "--json")
+            code, err, out = proc.returncode, proc.stderr, proc.stdout
+        else:
+            code, err, out = _main("inspect", str(path), "--json")
+        document = json.loads(out)
         assert document["error"]["class"] == error, document
-        assert document["error"]["exit_code"] == proc.returncode != 0
-        assert document["error"]["message"] in proc.stderr
+        assert document["error"]["exit_code"] == code != 0
+        assert document["error"]["message"] in err
 
 
 def test_fifo_inside_a_saved_model_is_an_input_error(tmp_path):
@@ -768,13 +780,9 @@ def test_graph_of_near_empty_nodes_is_refused_before_indexing(base, tmp_path):
         rewrite_graph(tiny)
     path = tmp_path / "tiny.pb"
     path.write_bytes(tiny.SerializeToString())
-    from bnrewrite.cli import main
-
-    err = StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(StringIO()):
-        code = main(["convert", str(path), str(tmp_path / "out.pb")])
-    assert code == InputFormatError.exit_code and len(err.getvalue().splitlines()) == 1, err.getvalue()
-    assert "100,001 nodes" in err.getvalue() and not (tmp_path / "out.pb").exists()
+    code, err, _ = _main("convert", str(path), str(tmp_path / "out.pb"))
+    assert code == InputFormatError.exit_code and len(err.splitlines()) == 1, err
+    assert "100,001 nodes" in err and not (tmp_path / "out.pb").exists()
 
     dense = tf.compat.v1.GraphDef.FromString(base.SerializeToString() + _no_ops(count, MIN_NODE_BYTES - 8))
     assert dense.ByteSize() >= MIN_NODE_BYTES * len(dense.node)

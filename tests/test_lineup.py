@@ -7,6 +7,7 @@ the pairings train like one device is tested by the oracle tests (test_mirrored.
 test_replicated.py); here: which sites end up together, and what is refused.
 """
 
+import functools
 import warnings
 
 import pytest
@@ -159,7 +160,10 @@ def test_towers_that_pair_nothing_raise():
         rewrite_graph(_towers(["alpha", "beta"], ["a", "b"], parallel=("a", "b")), backend="collective")
 
 
+@functools.lru_cache(maxsize=None)
 def _mirrored(replicas: int) -> tf.Graph:
+    """MirroredStrategy's graph of `replicas` replicas, built once per process (the tests only
+    rewrite it, not in place)."""
     from tf_keras.src.legacy_tf_layers import core, normalization
 
     graph = tf.Graph()

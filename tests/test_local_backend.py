@@ -6,6 +6,7 @@ and test_tower_shapes.py run it): be what `auto` picks for towers of one process
 all GPUs, sum exactly the members of each sync group, and refuse what it cannot reach.
 """
 
+import dataclasses
 from collections import defaultdict
 
 import pytest
@@ -17,7 +18,7 @@ import towers_model
 import tensorflow as tf
 from bnrewrite.graph.index import Device
 from bnrewrite.rewrite.collectives import placed
-from models import Spec, assert_synced, build_reference, build_towers, make_batches, train
+from models import Spec, assert_synced, build_towers, make_batches, one_device_run, train
 
 
 def _sums_and_members(graph_def):
@@ -125,10 +126,9 @@ def test_towers_on_one_device_inside_cond_v2_meet_on_a_cpu_each_and_train_like_o
     if device == "gpu":  # the session's CPUs not known: nothing to spread over, named instead of a hang
         with pytest.raises(bnrewrite.BackendError, match=r"meets one peer per device.*GPU:1 \(run on /device:CPU:0"):
             rewrite_graph(built.graph, backend="collective", available_gpus=0)
+    expected = one_device_run(dataclasses.replace(spec, device="cpu"), 3)  # the reference is on /cpu:0 either way
     monkeypatch.setattr(towers_model, "session_config", _soft_config)
     batches = make_batches(spec, 3)
-    reference = build_reference(spec)
-    expected = train(reference.graph, reference, batches, num_devices=1)
     unsynced = train(built.graph, built, batches, num_devices=1)
     assert_synced(f"cond v2 on {device}, one device", train(result.graph_def, built, batches, num_devices=2), unsynced,
                   expected, 1e-5)

@@ -10,6 +10,7 @@ checkpoint, and models verify cannot feed or initialize.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -49,10 +50,17 @@ MOVING = {
 TOWERS = {2: "/device:CPU:0..1", 4: "/device:CPU:0..3"}
 
 
+@functools.lru_cache(maxsize=None)
+def shared_towers(spec: Spec):
+    """build_towers(spec), built once per test process for the tests that only read it (rewrite_graph,
+    not in place, leaves it as it is)."""
+    return build_towers(spec)
+
+
 def checked_step(spec: Spec, result=None, built=None) -> stepcheck.Verdict:
     """One training step of `result` (default: the rewrite of build_towers(spec)) with the check's
     fetches, as a user's session would run it."""
-    built = built or build_towers(spec)
+    built = built or shared_towers(spec)
     result = result or rewrite_graph(built.graph)
     graph = load_graph(result.graph_def)
     check = stepcheck.build(graph, result.graph_def, result.report, python_ops=True)
