@@ -2,7 +2,7 @@
 error line, its exit code, no traceback, nothing written, input untouched). Runs go through the
 command line's main() in this process, its output and exit code captured as a subprocess's
 would be (a TensorFlow import per run would cost more than the runs); `--help`, usage errors
-and the README's examples run as `python -m bnrewrite` in a subprocess."""
+and the README's `bnrewrite run` example run as `python -m bnrewrite` in a subprocess."""
 
 from __future__ import annotations
 
@@ -31,34 +31,6 @@ def in_subprocess(*args: str, cwd: str | None = None) -> subprocess.CompletedPro
     """`python -m bnrewrite ARGS` in a process of its own."""
     return subprocess.run([sys.executable, "-m", "bnrewrite", *args], capture_output=True, text=True,
                           env=ENV, cwd=cwd, timeout=300)
-
-
-#: Runs each argv of a JSON list through main() in turn, in one process, and prints a JSON
-#: list of [exit code, stdout, stderr]: TensorFlow is imported once for all of them.
-_DRIVER = """
-import contextlib, io, json, sys
-import tensorflow
-from bnrewrite.cli import main
-results = []
-for args in json.loads(sys.argv[1]):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(args)
-        except SystemExit as exc:
-            code = exc.code
-    results.append([code, out.getvalue(), err.getvalue()])
-print(json.dumps(results))
-"""
-
-
-def in_one_subprocess(argvs: list[list[str]], cwd: str) -> list[subprocess.CompletedProcess]:
-    """`python -m bnrewrite ARGS` for each of `argvs`, in turn in one process of their own."""
-    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(argvs)], capture_output=True, text=True,
-                          env={**ENV, "TF_CPP_MIN_LOG_LEVEL": "3"}, cwd=cwd, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [subprocess.CompletedProcess(["bnrewrite", *a], code, out, err)
-            for a, (code, out, err) in zip(argvs, json.loads(proc.stdout.splitlines()[-1]))]
 
 
 def bnrewrite(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
@@ -418,10 +390,9 @@ def test_readme_examples_run(files, tmp_path):
     shutil.copytree(files.saved, tmp_path / "saved_model")
     (tmp_path / "examples").mkdir()
     shutil.copy(os.path.join(ROOT, "examples", "multi_gpu_train.py"), tmp_path / "examples")
-    argvs = [shlex.split(command)[1:] for command, _ in commands]
-    together = in_one_subprocess([a for a in argvs if a[0] != "run"], cwd=str(tmp_path))
-    for (command, expected), args in zip(commands, argvs):
-        proc = in_subprocess(*args, cwd=str(tmp_path)) if args[0] == "run" else together.pop(0)
+    for command, expected in commands:  # `run` in a process of its own, the others through main() here
+        args = shlex.split(command)[1:]
+        proc = (in_subprocess if args[0] == "run" else bnrewrite)(*args, cwd=str(tmp_path))
         errors = [line for line in expected if line.startswith("bnrewrite: error:")]
         if errors:
             assert proc.returncode != 0 and proc.stderr.strip() == errors[0].strip(), (command, proc.stderr)

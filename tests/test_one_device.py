@@ -65,19 +65,18 @@ def _cases():
     return module
 
 
-def _run(tmp_path, name: str, under_bnrewrite: bool) -> subprocess.CompletedProcess:
-    head = ["-m", "bnrewrite", "run"] if under_bnrewrite else []
-    out = subprocess.run([sys.executable, *head, SCRIPT, str(tmp_path / f"{name}.npz")], cwd=str(tmp_path), env=ENV,
-                         text=True, capture_output=True, timeout=600, stdin=subprocess.DEVNULL)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
-
-
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory) -> dict[str, np.ndarray]:
-    tmp = tmp_path_factory.mktemp("plain")
-    _run(tmp, "plain", under_bnrewrite=False)
-    return dict(np.load(tmp / "plain.npz"))
+def both(tmp_path_factory) -> tuple[str, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The script under python and under `bnrewrite run`, side by side (each its own fresh process):
+    run's stderr, python's variables, run's variables."""
+    tmp = tmp_path_factory.mktemp("one_device")
+    started = {name: subprocess.Popen([sys.executable, *head, SCRIPT, str(tmp / f"{name}.npz")], cwd=str(tmp), env=ENV,
+                                      text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+               for name, head in (("plain", []), ("run", ["-m", "bnrewrite", "run"]))}
+    errors = {name: process.communicate(timeout=600)[1] for name, process in started.items()}
+    for name, process in started.items():
+        assert process.returncode == 0, (name, errors[name][-3000:])
+    return errors["run"], dict(np.load(tmp / "plain.npz")), dict(np.load(tmp / "run.npz"))
 
 
 def _assert_as_python(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
@@ -86,13 +85,13 @@ def _assert_as_python(got: dict[str, np.ndarray], expected: dict[str, np.ndarray
         np.testing.assert_array_equal(got[key], value, err_msg=key)
 
 
-def test_run_leaves_one_device_programs_as_python_runs_them(tmp_path, plain):
-    run = _run(tmp_path, "run", under_bnrewrite=True)
-    lines = [line for line in run.stderr.splitlines() if line.startswith("bnrewrite:")]
+def test_run_leaves_one_device_programs_as_python_runs_them(both):
+    err, plain, run = both
+    lines = [line for line in err.splitlines() if line.startswith("bnrewrite:")]
     assert len(lines) == len(WHY), lines
     for number, (line, why) in enumerate(zip(lines, WHY.values()), 1):
         assert line.startswith(f"bnrewrite: graph {number} runs unchanged: ") and why in line, line
-    _assert_as_python(dict(np.load(tmp_path / "run.npz")), plain)
+    _assert_as_python(run, plain)
 
 
 def test_enable_and_in_place_leave_them_as_python_runs_them(capsys, monkeypatch):

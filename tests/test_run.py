@@ -54,14 +54,13 @@ def _error(got: dict, expected: dict) -> float:
 def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("run"))
     started = {
+        # one device, the towers as built, and in_place_train.py (rewrite_graph in the script)
         "references": _start([os.path.join(SCRIPTS, "reference_runs.py"), out, str(K), str(B)], out),
         "three": _start(["-m", "bnrewrite", "run", "--verify", "--report", "three.json",
                          os.path.join(SCRIPTS, "three_trainers.py"),
                          "--num_gpus", str(K), "--batch_size", str(B), "--train_dir", "three"], out),
         "slim": _start(["-m", "bnrewrite", "run", os.path.join(SCRIPTS, "slim_train.py"), "--num_clones", str(K),
                         "--batch_size", str(B), "--train_dir", "slim"], out),
-        "in_place": _start([os.path.join(SCRIPTS, "in_place_train.py"), "--num_gpus", str(K), "--batch_size", str(B),
-                            "--train_dir", "in_place"], out),
         "threads": _start(["-m", "bnrewrite", "run", "--verify", os.path.join(SCRIPTS, "summary_threads.py"),
                            os.path.join(out, "synced"), str(K * B), str(K)], out),
     }

@@ -62,8 +62,7 @@ def test_text_output_and_exit_code_of_a_failed_check():
     assert "FAIL: " in proc.stdout and "no answer within 1 s while" in proc.stdout
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"backend": "nccl"}, "needs GPUs, and TensorFlow sees none here"),
+@pytest.mark.parametrize("kwargs, message", [  # backend nccl without GPUs: test_cli_error_is_one_line
     ({"towers": 1}, "needs 2 or more towers"),
     ({"steps": 1}, "at least 2 steps"),
     ({"backend": "ring"}, "unknown backend"),
@@ -74,6 +73,8 @@ def test_what_cannot_be_checked_says_why(kwargs, message):
 
 
 def test_cli_error_is_one_line():
+    """check(backend="nccl") where TensorFlow sees no GPU (a GPU count in a child process) raises
+    BackendError: through the command line, its exit code and one line."""
     proc = _cli("--backend", "nccl")
     assert proc.returncode == BackendError.exit_code
-    assert proc.stderr.count("\n") == 1 and "needs GPUs" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "needs GPUs, and TensorFlow sees none here" in proc.stderr

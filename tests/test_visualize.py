@@ -1,5 +1,6 @@
 """`--dot` pictures: rendered to SVG/PNG by the graphviz-pure dependency when no system Graphviz
-is installed (the README's install brings no `dot`), found without PATH; bad targets fail
+is installed (the README's install brings no `dot`), found without PATH (the SVG by a real
+`python -m bnrewrite`, the PNG through main() in process); bad targets fail
 before the rewrite with one line; the layer's neighbourhood stays bounded in a deep net."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 from model_files import cached_models
 from tensorflow.core.framework.node_def_pb2 import NodeDef
 from test_cli import ENV, assert_one_error_line
+from test_cli import bnrewrite as in_process
 
 from bnrewrite.errors import OutputError
 from bnrewrite.io import visualize
@@ -43,15 +45,17 @@ def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def rendered(files, no_path, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, str]]:
-    """`convert model.pb out.pb --dot layer.svg` and `.png`, both at once, without a system dot."""
+    """`convert model.pb out.pb --dot layer.svg` and `.png` without a system dot: the SVG in a
+    process of its own, the PNG meanwhile through main() in this one, with the same PATH."""
     out = str(tmp_path_factory.mktemp("rendered"))
-
-    def convert(ext: str) -> tuple[subprocess.CompletedProcess, str]:
-        picture = os.path.join(out, f"layer.{ext}")
-        return run(["convert", files.pb, os.path.join(out, f"out_{ext}.pb"), "--dot", picture], no_path), picture
-
-    with ThreadPoolExecutor(2) as pool:
-        return dict(zip(("svg", "png"), pool.map(convert, ("svg", "png"))))
+    args = {ext: ["convert", files.pb, os.path.join(out, f"out_{ext}.pb"), "--dot", os.path.join(out, f"layer.{ext}")]
+            for ext in ("svg", "png")}
+    with ThreadPoolExecutor(1) as pool:
+        svg = pool.submit(run, args["svg"], no_path)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("PATH", no_path["PATH"])
+            png = in_process(*args["png"])
+        return {"svg": (svg.result(), args["svg"][-1]), "png": (png, args["png"][-1])}
 
 
 def test_svg_without_system_dot(rendered):
