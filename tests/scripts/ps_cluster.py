@@ -182,6 +182,7 @@ def run_replicated_layout(args, server, spec) -> dict[str, np.ndarray]:
     with tf1.device(device(0)), tf1.control_dependencies([passed]):
         train_op = tf.group(*[v.assign(s.read_value()) for (_, v), s in zip(grads_and_vars, shadows)])
     ready = tf1.report_uninitialized_variables(shadows)
+    ready.mark_used()  # polled below; else TensorFlow logs it as never used when its graph goes
     losses = []
     with tf1.Session(server.target, config=_config(args, task, True)) as session:
         session.run(tf1.variables_initializer([v for v in tf1.global_variables() if v not in shadows]))
