@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import itertools
 import json
 import os
 import socket
@@ -273,23 +275,38 @@ def launch(out: str, layout: str, steps: int, synced: bool, towers: int = 1, tas
             process.wait()
 
 
+@functools.cache
+def _servers_here(cpus: int) -> tuple[tf.train.ClusterSpec, list[tf.distribute.Server]]:
+    """A ps and 2 workers (`cpus` CPUs each) as servers of this process, made once: TensorFlow
+    cannot stop a server, so every as-built run shares these, each in containers of its own."""
+    ports = _free_ports(3)
+    spec = tf.train.ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{p}" for p in ports[1:]]})
+    args = parse(["--job", "worker", "--towers", str(cpus)])
+    return spec, [tf.distribute.Server(spec, job_name=job, task_index=task, config=_config(args, task, job == "worker"))
+                  for job, task in (("ps", 0), ("worker", 0), ("worker", 1))]
+
+
+_runs_here = itertools.count()
+
+
 def as_built_here(layout: str, steps: int, towers: int = 1, plain: bool = False,
                   deadline: float = 120.0) -> list[dict[str, np.ndarray]]:
     """What `launch(..., synced=False)` has its workers write, without a process: the ps and both
-    workers are servers of the caller's process, each worker a thread building its own graph (the
-    cluster as built: no bnrewrite). The servers stay (TensorFlow cannot stop one), idle."""
-    ports = _free_ports(3)
-    spec = tf.train.ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{p}" for p in ports[1:]]})
+    workers are servers of the caller's process (_servers_here), each worker a thread building
+    its own graph whose variables, queues and accumulators live in a container of this run's
+    (the cluster as built: no bnrewrite)."""
+    spec, servers = _servers_here(2)
+    if towers > 2:
+        raise ValueError(f"{towers} towers a worker: the servers here have 2 CPUs")
+    container = f"asbuilt{next(_runs_here)}"
     args = [parse(["--job", "worker", "--task", str(task), "--layout", layout, "--steps", str(steps),
                    "--towers", str(towers), *(["--plain"] if plain else [])]) for task in (0, 1)]
-    servers = [tf.distribute.Server(spec, job_name=job, task_index=task, config=_config(args[0], task, job == "worker"))
-               for job, task in (("ps", 0), ("worker", 0), ("worker", 1))]
     run = run_ps_layout if layout == "ps" else run_replicated_layout
     results: list = [None, None]
 
     def work(task: int) -> None:
         try:
-            with tf.Graph().as_default():
+            with tf.Graph().as_default(), tf1.container(container):
                 results[task] = run(args[task], servers[1 + task], spec)
         except BaseException as error:  # the caller raises it
             results[task] = error
