@@ -33,9 +33,10 @@ TOLERANCE = 2e-4  # measured: ~8e-7
 
 @pytest.fixture(scope="module")
 def cluster():
-    """One 2-worker launch for every layer kind: each kind in graphs of its own on the same servers."""
+    """One 2-worker launch for every layer kind: each kind in graphs of its own on the same servers
+    (the deadline: 120 s a kind, as when each had a launch of its own)."""
     run = mw.launch(SPEC, STEPS, mw.MODES, num_workers=2, timeout_seconds=20.0, join_timeout=20.0,
-                    run_timeout=40.0, deadline=240.0, more=tuple((layer, Spec(towers=4, batch=4, layer=layer))
+                    run_timeout=40.0, deadline=360.0, more=tuple((layer, Spec(towers=4, batch=4, layer=layer))
                                                                  for layer in COND_V2))
     assert not multiprocessing.active_children()
     return run
