@@ -183,11 +183,13 @@ def wait_for_leader(address: str, seconds: float) -> None:
 
 
 def run_worker(task_index: int, hosts: list, spec, steps: int, modes, *, timeout_seconds: float,
-               join_timeout: float, run_timeout: float, crash_after: int | None = None) -> dict:
+               join_timeout: float, run_timeout: float, crash_after: int | None = None, more: tuple = ()) -> dict:
     """One worker's whole job, in its own process: server, graphs, rewrite, training.
 
     Returns {mode: {"losses", "variables", "seconds", "report"}}. Raises on any failure.
     crash_after=n makes the process exit abruptly after n steps (to test the others' errors).
+    `more`: (label, spec) pairs (as many towers as `spec`) trained after `spec` on the same server,
+    each in its own graphs and sessions with its own gradient keys; results under f"{mode} {label}".
     """
     import tensorflow as tf
 
@@ -202,13 +204,15 @@ def run_worker(task_index: int, hosts: list, spec, steps: int, modes, *, timeout
                                   task_index=task_index, config=config, start=True)
     if task_index != 0:
         wait_for_leader(hosts[0], join_timeout)
-    batches = tm.make_batches(spec, steps)
     options = tf.compat.v1.RunOptions(timeout_in_ms=int(run_timeout * 1000))
     out = {}
-    for offset, mode in enumerate(modes):
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}")
-        built = build_worker(spec, task_index, num_workers, timeout_seconds=timeout_seconds, key_offset=offset)
+    cases = [(mode, spec, mode) for mode in modes] + [(f"{mode} {label}", other, mode) for label, other in more
+                                                       for mode in modes]
+    for offset, (name, case, mode) in enumerate(cases):
+        if mode not in MODES or case.towers != spec.towers:
+            raise ValueError(f"unknown mode {mode!r} or {case.towers} towers, not {spec.towers}")
+        batches = tm.make_batches(case, steps)
+        built = build_worker(case, task_index, num_workers, timeout_seconds=timeout_seconds, key_offset=offset)
         graph, report = built.graph, ""
         if mode == "synced":
             result = rewrite_graph(built.graph, backend="collective", num_workers=num_workers,
@@ -225,12 +229,12 @@ def run_worker(task_index: int, hosts: list, spec, steps: int, modes, *, timeout
                     os._exit(3)
                 feed = {}
                 for k, (img, lbl) in enumerate(built.inputs):
-                    rows = slice((task_index * local + k) * spec.batch, (task_index * local + k + 1) * spec.batch)
+                    rows = slice((task_index * local + k) * case.batch, (task_index * local + k + 1) * case.batch)
                     feed[img], feed[lbl] = images[rows], labels[rows]
                 _, value = sess.run([train_op, loss], feed_dict=feed, options=options)
                 losses.append(float(value))
             values = sess.run(dict(built.variables), options=options)
-        out[mode] = {"losses": np.asarray(losses), "variables": {k: np.asarray(v) for k, v in values.items()},
+        out[name] = {"losses": np.asarray(losses), "variables": {k: np.asarray(v) for k, v in values.items()},
                      "seconds": time.perf_counter() - start, "report": report}
     return out
 
@@ -284,10 +288,10 @@ class Launch:
 
 def launch(spec, steps: int, modes=MODES, *, num_workers: int = 2, tasks=None, timeout_seconds: float = 30.0,
            join_timeout: float = 30.0, run_timeout: float = 60.0, deadline: float = 180.0,
-           crash_after: dict | None = None) -> Launch:
+           crash_after: dict | None = None, more: tuple = ()) -> Launch:
     """Run workers `tasks` (default: all) of a `num_workers` cluster on 127.0.0.1 in fresh processes.
 
-    crash_after: {task: n} makes those workers die abruptly after n steps.
+    crash_after: {task: n} makes those workers die abruptly after n steps. more: run_worker's.
 
     Every wait is bounded: collectives by `timeout_seconds`, each Session.run by `run_timeout`,
     a non-leader's wait for the leader by `join_timeout`, and the whole launch by `deadline`,
@@ -298,7 +302,7 @@ def launch(spec, steps: int, modes=MODES, *, num_workers: int = 2, tasks=None, t
     hosts = [f"127.0.0.1:{p}" for p in free_ports(num_workers)]
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    kwargs = dict(timeout_seconds=timeout_seconds, join_timeout=join_timeout, run_timeout=run_timeout)
+    kwargs = dict(timeout_seconds=timeout_seconds, join_timeout=join_timeout, run_timeout=run_timeout, more=tuple(more))
     crash_after = crash_after or {}
     procs = {t: ctx.Process(target=_worker_entry,
                             args=(t, hosts, spec, steps, tuple(modes), dict(kwargs, crash_after=crash_after.get(t)),

@@ -11,7 +11,6 @@ Every test starts its own worker processes on loopback ports it picked
 
 import multiprocessing
 import os
-import subprocess
 import sys
 import time
 
@@ -24,19 +23,29 @@ from models import Spec, build_reference, make_batches, max_rel_error, rel_error
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "scripts")
 sys.path.insert(0, SCRIPTS)
 import collective_worker as cw  # noqa: E402
+import mwms_worker  # noqa: E402
 
 SPEC = Spec(towers=4, batch=4)  # the global job: 2 workers x 2 towers x 4 examples
+COND_V2 = ("legacy_cond_v2", "moments_cond_v2")
 STEPS = 5
 TOLERANCE = 2e-4  # measured: ~8e-7
 
 
 @pytest.fixture(scope="module")
-def runs():
+def cluster():
+    """One 2-worker launch for every layer kind: each kind in graphs of its own on the same servers
+    (the deadline: 120 s a kind, as when each had a launch of its own)."""
     run = mw.launch(SPEC, STEPS, mw.MODES, num_workers=2, timeout_seconds=20.0, join_timeout=20.0,
-                    run_timeout=40.0, deadline=120.0)
+                    run_timeout=40.0, deadline=360.0, more=tuple((layer, Spec(towers=4, batch=4, layer=layer))
+                                                                 for layer in COND_V2))
     assert not multiprocessing.active_children()
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs(cluster):
     ref = build_reference(SPEC)
-    return run, train(ref.graph, ref, make_batches(SPEC, STEPS), num_devices=1)
+    return cluster, train(ref.graph, ref, make_batches(SPEC, STEPS), num_devices=1)
 
 
 def test_synced_workers_match_one_device(runs):
@@ -57,19 +66,19 @@ def test_unsynced_workers_do_not_match(runs):
         assert max_rel_error(got, reference) > 0.1
 
 
-@pytest.mark.parametrize("layer", ["legacy_cond_v2", "moments_cond_v2"])
-def test_workers_with_batch_norm_under_v2_cond(layer):
+@pytest.mark.parametrize("layer", COND_V2)
+def test_workers_with_batch_norm_under_v2_cond(cluster, layer):
     """The all-reduces live in branch functions (forward) and their gradient functions
-    (backward), with keys that must agree across the two workers' graphs."""
+    (backward), with keys that must agree across the two workers' graphs. Trained on the servers
+    that trained the other layer kinds' graphs before (bnrewrite's keys are the same in each)."""
     spec = Spec(towers=4, batch=4, layer=layer)
-    run = mw.launch(spec, STEPS, mw.MODES, num_workers=2, timeout_seconds=20.0, join_timeout=20.0,
-                    run_timeout=40.0, deadline=120.0)
     ref = build_reference(spec)
     reference = train(ref.graph, ref, make_batches(spec, STEPS), num_devices=1)
-    synced, unsynced = mw.as_result(run.results, "synced"), mw.as_result({0: run.results[0]}, "unsynced")
+    synced = mw.as_result(cluster.results, f"synced {layer}")
+    unsynced = mw.as_result({0: cluster.results[0]}, f"unsynced {layer}")
     assert max_rel_error(unsynced, reference) > 0.1
     assert max_rel_error(synced, reference) < TOLERANCE, rel_errors(synced, reference)
-    assert max_rel_error(mw.as_result({0: run.results[1]}, "synced"), synced) < 1e-6
+    assert max_rel_error(mw.as_result({0: cluster.results[1]}, f"synced {layer}"), synced) < 1e-6
 
 
 @pytest.mark.parametrize(
@@ -127,9 +136,8 @@ def test_a_multi_worker_mirrored_strategy_cluster_trains_like_one_device(tmp_pat
     for task, line in enumerate(lines["synced"]):
         assert ("1 batch-norm layer(s) synchronized across 1 towers (net; told apart by scope), backend collective; "
                 f"worker {task} of 2") in line, line
-    subprocess.run([sys.executable, os.path.join(SCRIPTS, "mwms_worker.py"), "--reference", "--out", str(tmp_path)],
-                   check=True, capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
-    one, perturbed = (dict(np.load(tmp_path / f"{name}.npz")) for name in ("one", "perturbed"))
+    references = mwms_worker.references()  # in this process, each in a graph of its own
+    one, perturbed = references["one"], references["perturbed"]
     floor = _relative(perturbed, one)
     for workers in results.values():
         workers[0]["losses"] = (workers[0]["losses"] + workers[1]["losses"]) / 2  # each worker's loss: its half

@@ -1,12 +1,14 @@
-"""Parameter-server clusters (issue 40): 1 ps + 2 workers on localhost, each its own process.
+"""Parameter-server clusters (issue 40): 1 ps + 2 workers on localhost, each worker its own process.
 
 Each worker runs tests/scripts/ps_cluster.py unmodified, under `bnrewrite run --workers 2
---task-index I`; the ps under plain python. Both of the script's layouts (every variable on
+--task-index I`; the ps is a server of the test's process (plain python). Both of the script's layouts (every variable on
 the ps under SyncReplicasOptimizer; per-worker copies with ps shadows) must train like one
 process fed both workers' examples (trained in the test's own process, once per process), even
 with worker 1 started late, the cluster without bnrewrite must not, a long run must
 finish (collectives across workers crashed these clusters within a few dozen steps), and a
-worker left alone must fail with DeadlineExceededError within its --timeout.
+worker left alone must fail with DeadlineExceededError within its --timeout. The cluster as
+built (no bnrewrite) runs in the test's process: 3 servers, 2 worker threads
+(ps_cluster.as_built_here), 2 steps.
 
 The in-process tests check the rewrite of one such worker's graph: the backend it picks, the
 queues the two workers' graphs share, and the statistics update that only worker 0 keeps.
@@ -26,7 +28,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "ps_cluster.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))
-from ps_cluster import launch, reference  # noqa: E402
+from ps_cluster import as_built_here, launch, reference  # noqa: E402
 
 
 @functools.cache
@@ -58,16 +60,13 @@ def test_a_ps_cluster_trains_like_one_process_fed_both_workers(tmp_path, layout,
     under --timeout 30 failed at step 0 on both workers, start-up skew): the first meeting waits
     for it. 120 steps: collectives across these workers crashed them within a few dozen steps
     ('Cleanup <step id>'). The cluster as built trains 2 steps, which already miss the reference."""
-    synced_dir, plain_dir = tmp_path / "synced", tmp_path / "plain"
-    synced_dir.mkdir(), plain_dir.mkdir()
-    synced = launch(str(synced_dir), layout, steps, True, towers, plain=unscoped,
+    synced = launch(str(tmp_path), layout, steps, True, towers, plain=unscoped, ps_here=True,
                     **({"timeout": "3", "gap": gap} if gap else {}))
-    plain = launch(str(plain_dir), layout, 2, False, towers, plain=unscoped)
     reference = _reference(towers, 1.0, unscoped, steps)
     floor = _errors(_reference(towers, 1.0 + 1e-7, unscoped, steps), reference)
     for task, run in synced.items():
         assert f"backend ps; worker {task} of 2" in run.stdout, run.stdout[-3000:]
-    worker0, worker1 = _worker_results(str(synced_dir), synced)
+    worker0, worker1 = _worker_results(str(tmp_path), synced)
     errors = _errors(worker0, reference)
     prefix = "" if unscoped else "net/"
     assert {f"{prefix}bn1/moving_mean", f"{prefix}bn2/moving_variance", f"{prefix}conv1/kernel"} <= set(errors)
@@ -75,7 +74,7 @@ def test_a_ps_cluster_trains_like_one_process_fed_both_workers(tmp_path, layout,
     assert _errors(worker1, worker0) == dict.fromkeys(errors, 0.0)  # every worker sees the same values
     assert len(worker0["losses"]) == steps
     np.testing.assert_allclose((worker0["losses"] + worker1["losses"]) / 2, reference["losses"], rtol=1e-5)
-    unsynced = _errors(_worker_results(str(plain_dir), plain)[0], _reference(towers, 1.0, unscoped))
+    unsynced = _errors(as_built_here(layout, 2, towers, unscoped)[0], _reference(towers, 1.0, unscoped))
     assert max(unsynced.values()) > 1e-2, unsynced  # the oracle's must-not-match margin
     print(f"\n{layout}, {towers} tower(s) a worker, {steps} steps: synced {max(errors.values()):.2g}, noise floor "
           f"{max(floor.values()):.2g}, as built (2 steps) {max(unsynced.values()):.3g}")
@@ -84,7 +83,8 @@ def test_a_ps_cluster_trains_like_one_process_fed_both_workers(tmp_path, layout,
 def test_a_lone_ps_worker_stops_at_its_start_bound_with_one_line(tmp_path):
     """Queues have no time-out: run bounds the first step that meets by --start-timeout."""
     start = time.monotonic()
-    runs = launch(str(tmp_path), "replicated", 2, True, tasks=(0,), timeout="4", start_timeout="8", deadline=90.0)
+    runs = launch(str(tmp_path), "replicated", 2, True, tasks=(0,), timeout="4", start_timeout="8", deadline=90.0,
+                  ps_here=True)
     assert time.monotonic() - start < 60
     assert runs[0].returncode == 13, runs[0].stdout[-3000:]
     [line] = [line for line in runs[0].stdout.splitlines() if line.startswith("bnrewrite: error:")]

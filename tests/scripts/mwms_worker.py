@@ -72,14 +72,21 @@ def worker(task: int, hosts: list[str], out: str) -> None:
     os._exit(0)  # a tf.distribute.Server cannot be stopped: skip the interpreter's teardown
 
 
-def reference(out: str) -> None:
-    tf1.disable_eager_execution()
+def references() -> dict[str, dict[str, np.ndarray]]:
+    """"one" and "perturbed" (see the module docstring), each in a graph of its own: callable in a
+    test's process (no eager switch)."""
+    out = {}
     for name, scale in (("one", 1.0), ("perturbed", 1.0 + 1e-7)):
         with tf.Graph().as_default(), tf1.Session() as session:
             x = tf1.placeholder(tf.float32, [WORKERS * BATCH, 6, 6, 3])
             train_op, loss = _step(x, 1)
-            np.savez(os.path.join(out, f"{name}.npz"), **_trained(session, train_op, loss, x, slice(None),
-                                                                  _images(scale)))
+            out[name] = _trained(session, train_op, loss, x, slice(None), _images(scale))
+    return out
+
+
+def reference(out: str) -> None:
+    for name, values in references().items():
+        np.savez(os.path.join(out, f"{name}.npz"), **values)
 
 
 if __name__ == "__main__":

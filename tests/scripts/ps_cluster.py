@@ -20,7 +20,8 @@ worker's one tower, not as towers of their own.
 `--job reference` trains the same model in one process on one device, fed every worker's
 examples; `--scale` multiplies its images (the noise floor of a comparison).
 
-`launch` starts such a cluster on localhost (tests/test_ps_cluster.py, tools/ps_reliability.py).
+`launch` starts such a cluster on localhost (tests/test_ps_cluster.py, tools/ps_reliability.py);
+`as_built_here` trains the cluster as built within the caller's process (servers and threads).
 `reference` trains the reference in the caller's process (no TensorFlow import of its own).
 
 Usage: ps_cluster.py --job ps|worker|reference --task I --hosts JSON --layout ps|replicated
@@ -31,11 +32,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import itertools
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import zlib
 
@@ -180,6 +184,7 @@ def run_replicated_layout(args, server, spec) -> dict[str, np.ndarray]:
     with tf1.device(device(0)), tf1.control_dependencies([passed]):
         train_op = tf.group(*[v.assign(s.read_value()) for (_, v), s in zip(grads_and_vars, shadows)])
     ready = tf1.report_uninitialized_variables(shadows)
+    ready.mark_used()  # polled below; else TensorFlow logs it as never used when its graph goes
     losses = []
     with tf1.Session(server.target, config=_config(args, task, True)) as session:
         session.run(tf1.variables_initializer([v for v in tf1.global_variables() if v not in shadows]))
@@ -222,19 +227,25 @@ def _free_ports(n: int) -> list[int]:
 
 def launch(out: str, layout: str, steps: int, synced: bool, towers: int = 1, tasks=(0, 1),
            timeout: str = "60", deadline: float = 240.0, plain: bool = False, start_timeout: str | None = None,
-           gap: float = 0.0) -> dict[int, subprocess.CompletedProcess]:
-    """Start a ps running this script and its workers `tasks` of 2 (under `bnrewrite run
-    --workers 2 --timeout T [--start-timeout S]` when `synced`; `plain`: the one-tower script
-    without scopes), each `gap` s after the one before, wait for the workers (at most `deadline`
-    s), stop every process this started by its own id; the workers' exit codes and output."""
+           gap: float = 0.0, ps_here: bool = False) -> dict[int, subprocess.CompletedProcess]:
+    """Start a ps running this script (`ps_here`: a server of the caller's process, left idle
+    after) and its workers `tasks` of 2 (under `bnrewrite run --workers 2 --timeout T
+    [--start-timeout S]` when `synced`; `plain`: the one-tower script without scopes), each `gap` s
+    after the one before, wait for the workers (at most `deadline` s), stop every process this
+    started by its own id; the workers' exit codes and output."""
     ps_port, *worker_ports = _free_ports(3)
     hosts = json.dumps({"ps": [f"127.0.0.1:{ps_port}"], "worker": [f"127.0.0.1:{p}" for p in worker_ports]})
     common = ["--hosts", hosts, "--layout", layout, "--steps", str(steps), "--out", out, "--towers", str(towers),
               *(["--plain"] if plain else [])]
     script = os.path.abspath(__file__)
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(script))))
-    started = [subprocess.Popen([sys.executable, script, "--job", "ps", *common], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    started = []
+    if ps_here:
+        tf.distribute.Server(tf.train.ClusterSpec(json.loads(hosts)), job_name="ps", task_index=0,
+                             config=_config(parse(["--job", "ps", "--towers", str(towers)]), 0, False))
+    else:
+        started.append(subprocess.Popen([sys.executable, script, "--job", "ps", *common], env=env,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     workers = {}
     try:
         for task in tasks:
@@ -262,6 +273,53 @@ def launch(out: str, layout: str, steps: int, synced: bool, towers: int = 1, tas
             if process.poll() is None:
                 process.kill()
             process.wait()
+
+
+@functools.cache
+def _servers_here(cpus: int) -> tuple[tf.train.ClusterSpec, list[tf.distribute.Server]]:
+    """A ps and 2 workers (`cpus` CPUs each) as servers of this process, made once: TensorFlow
+    cannot stop a server, so every as-built run shares these, each in containers of its own."""
+    ports = _free_ports(3)
+    spec = tf.train.ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{p}" for p in ports[1:]]})
+    args = parse(["--job", "worker", "--towers", str(cpus)])
+    return spec, [tf.distribute.Server(spec, job_name=job, task_index=task, config=_config(args, task, job == "worker"))
+                  for job, task in (("ps", 0), ("worker", 0), ("worker", 1))]
+
+
+_runs_here = itertools.count()
+
+
+def as_built_here(layout: str, steps: int, towers: int = 1, plain: bool = False,
+                  deadline: float = 120.0) -> list[dict[str, np.ndarray]]:
+    """What `launch(..., synced=False)` has its workers write, without a process: the ps and both
+    workers are servers of the caller's process (_servers_here), each worker a thread building
+    its own graph whose variables, queues and accumulators live in a container of this run's
+    (the cluster as built: no bnrewrite)."""
+    spec, servers = _servers_here(2)
+    if towers > 2:
+        raise ValueError(f"{towers} towers a worker: the servers here have 2 CPUs")
+    container = f"asbuilt{next(_runs_here)}"
+    args = [parse(["--job", "worker", "--task", str(task), "--layout", layout, "--steps", str(steps),
+                   "--towers", str(towers), *(["--plain"] if plain else [])]) for task in (0, 1)]
+    run = run_ps_layout if layout == "ps" else run_replicated_layout
+    results: list = [None, None]
+
+    def work(task: int) -> None:
+        try:
+            with tf.Graph().as_default(), tf1.container(container):
+                results[task] = run(args[task], servers[1 + task], spec)
+        except BaseException as error:  # the caller raises it
+            results[task] = error
+
+    threads = [threading.Thread(target=work, args=(task,), daemon=True) for task in (0, 1)]
+    for thread in threads:
+        thread.start()
+    end = time.monotonic() + deadline
+    for task, thread in enumerate(threads):
+        thread.join(max(0.0, end - time.monotonic()))
+        if thread.is_alive() or isinstance(results[task], BaseException):
+            raise RuntimeError(f"worker {task} of the as-built cluster: {results[task] or f'not done in {deadline} s'}")
+    return results
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
