@@ -28,7 +28,7 @@ from bnrewrite.rewrite import api
 from bnrewrite.rewrite.passes import PIPELINE, dedupe_moving_averages, run_passes
 from bnrewrite.session import stepcheck
 from models import load_graph
-from script_oracle import ROOT, judge, run_both
+from script_oracle import ROOT, judge, lines_by_case, run_both
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "applied_twice.py")
 tf1 = tf.compat.v1
@@ -202,12 +202,31 @@ def test_applications_that_nothing_tells_apart_are_refused_named():
         rewrite_graph(graph)
 
 
-def test_towers_applying_networks_twice_train_like_one_device(tmp_path):
-    cases = ("gan", "gan_tape", "siamese", "siamese_moments", "two_stream")
-    err = run_both(SCRIPT, tmp_path, cases, ("--verify",))
-    for case in cases:  # the statistics of a net applied twice: two updates per step, in either order (the check's)
-        print(judge(case, str(tmp_path), lambda key: "/moving_" in key and key.startswith(("D/", "E/"))))
-    lines = [line for line in err.splitlines() if line.startswith("bnrewrite:")]
+#: The script's cases of networks applied twice, and of steps keeping one application's statistics.
+TWICE = ("gan", "gan_tape", "siamese", "siamese_moments", "two_stream")
+KEEPING_ONE = ("gan_real", "siamese_second")
+SHARED = pytest.mark.xdist_group("applied_twice_cases")
+
+
+@pytest.fixture(scope="module")
+def applied(tmp_path_factory) -> tuple[str, dict[str, list[str]]]:
+    """Where the script's cases ran (one `bnrewrite run --verify -v` and one reference process, one
+    TensorFlow import each, each case in a graph of its own), and each case's `bnrewrite:` lines."""
+    directory = tmp_path_factory.mktemp("applied_twice")
+    err = run_both(SCRIPT, directory, (*TWICE, *KEEPING_ONE), ("--verify", "-v"))
+    lines = lines_by_case(err)
+    assert list(lines) == [*TWICE, *KEEPING_ONE], list(lines)
+    every = [line for line in err.splitlines() if line.startswith("bnrewrite:")]
+    assert sum(map(len, lines.values())) == len(every), every  # each line is some case's
+    return str(directory), lines
+
+
+@SHARED
+def test_towers_applying_networks_twice_train_like_one_device(applied):
+    directory, by_case = applied
+    for case in TWICE:  # the statistics of a net applied twice: two updates per step, in either order (the check's)
+        print(judge(case, directory, lambda key: "/moving_" in key and key.startswith(("D/", "E/"))))
+    lines = [line for case in TWICE for line in by_case[case]]
     synced = [line for line in lines if " synchronized across 2 towers" in line]
     counts = [line.split(" batch-norm layer(s) synchronized across 2 towers")[0].rsplit(" ", 1)[-1] for line in synced]
     assert counts == ["6", "6", "4", "4", "4"], lines
@@ -219,17 +238,17 @@ def test_towers_applying_networks_twice_train_like_one_device(tmp_path):
     assert not any("error" in line for line in lines), lines
 
 
-def test_towers_keeping_one_applications_statistics_train_like_one_device_and_pass_the_check(tmp_path):
+@SHARED
+def test_towers_keeping_one_applications_statistics_train_like_one_device_and_pass_the_check(applied):
     """A GAN whose discriminator step keeps the statistics of its application to real images only,
     a Siamese net keeping its second application's: `--verify` passes them (it stopped them
     before, "changed in a step that runs none of its kept updates"), each statistic checked as
     exactly one run of the update the step keeps; with one update per step the statistics are
     not left to an order, so every quantity is judged."""
-    cases = ("gan_real", "siamese_second")
-    err = run_both(SCRIPT, tmp_path, cases, ("--verify", "-v"))
-    for case in cases:
-        print(judge(case, str(tmp_path)))
-    lines = [line for line in err.splitlines() if line.startswith("bnrewrite:")]
+    directory, by_case = applied
+    for case in KEEPING_ONE:
+        print(judge(case, directory))
+    lines = [line for case in KEEPING_ONE for line in by_case[case]]
     verified = [line for line in lines if ": verified " in line]
     assert [line.split(": verified ")[1].split(" x ")[0] for line in verified] == ["6 layers", "4 layers"], lines
     others = [line for line in lines if "updated by another application only" in line]

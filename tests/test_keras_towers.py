@@ -194,21 +194,36 @@ def _checkpoint(prefix: str) -> dict[str, np.ndarray]:
     return {name: value for name, value in values.items() if isinstance(value, np.ndarray) and value.dtype.kind == "f"}
 
 
+#: Runs the script argv[1] once per later argument (its own argv, split at spaces) in one process
+#: (one TensorFlow import), each run in a graph and a Keras session of its own.
+_EACH = """import runpy, sys
+import tf_keras
+script, runs = sys.argv[1], sys.argv[2:]
+for run in runs:
+    tf_keras.backend.clear_session()
+    sys.argv = [script, *run.split()]
+    runpy.run_path(script, run_name="__main__")
+"""
+
+
 def test_the_keras_example_trains_like_one_device(tmp_path):
     """examples/keras_multi_gpu_train.py, 2 towers x 4 under `bnrewrite run`, against
-    `--num_gpus 1 --batch_size 8` and the towers as built, side by side."""
+    `--num_gpus 1 --batch_size 8` and the towers as built, side by side (those two in one process)."""
     example = os.path.join(ROOT, "examples", "keras_multi_gpu_train.py")
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT}
-    runs = {name: subprocess.Popen([*prefix, example, "--num_gpus", str(k), "--batch_size", str(8 // k),
-                                    "--weights", str(tmp_path / name / "weights")], cwd=str(tmp_path), env=env,
-                                   text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-            for name, prefix, k in (("run", [sys.executable, "-m", "bnrewrite", "run"], 2),
-                                    ("one", [sys.executable], 1), ("towers", [sys.executable], 2))}
+    argv = {name: f"--num_gpus {k} --batch_size {8 // k} --weights {tmp_path / name / 'weights'}"
+            for name, k in (("run", 2), ("one", 1), ("towers", 2))}
+    runs = {name: subprocess.Popen(command, cwd=str(tmp_path), env=env, text=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+            for name, command in (("run", [sys.executable, "-m", "bnrewrite", "run", example, *argv["run"].split()]),
+                                  ("references", [sys.executable, "-c", _EACH, example, argv["one"], argv["towers"]]))}
     for name, process in runs.items():
         out, err = process.communicate(timeout=600)
         assert process.returncode == 0, (name, err[-3000:])
         if name == "run":
             assert out.count("step ") == 3 and "2 batch-norm layer(s) synchronized across 2 towers" in err, err[-2000:]
+        else:
+            assert out.count("step ") == 2 * 3, out
     one = _checkpoint(str(tmp_path / "one" / "weights"))
     assert len(one) == 12  # kernels, dense bias, gamma, beta and both moving statistics of 2 layers
 

@@ -13,6 +13,7 @@ unsynchronized batch norm is far off. tf_keras's own `BatchNormalization(synchro
 (not rewritten) checks the harness independently of bnrewrite.
 """
 
+import functools
 import warnings
 from typing import Callable
 
@@ -137,12 +138,20 @@ def _every_copy(reference: Result, replicas: int) -> Result:
         f"{name.rsplit('@', 1)[0]}@replica_{k}": value for name, value in reference.variables.items() for k in range(replicas)})
 
 
-def _check_oracle(label: str, built: Built, synced_graph, unsynced: Built, reference: Built) -> None:
-    """`synced_graph` (built's graph or a rewrite of it) trains like `reference` (one device fed
-    every example) in the losses and every copy of every variable; `unsynced` does not."""
+@functools.lru_cache(maxsize=None)
+def _one_device(kind: str, replicas: int) -> Result:
+    """`kind`'s model on one device fed the examples of `replicas` replicas, trained once per test
+    process (several tests meet each kind and replica count; treat it as read-only)."""
+    reference = _build(kind, 1, replicas * BATCH)
+    return train(reference.graph, reference, make_batches(Spec(towers=replicas, batch=BATCH), STEPS), num_devices=1)
+
+
+def _check_oracle(label: str, built: Built, synced_graph, unsynced: Built, reference: str) -> None:
+    """`synced_graph` (built's graph or a rewrite of it) trains like the `reference` kind on one
+    device fed every example in the losses and every copy of every variable; `unsynced` does not."""
     replicas = len(built.inputs)
     data = make_batches(Spec(towers=replicas, batch=BATCH), STEPS)
-    expected = _every_copy(train(reference.graph, reference, data, num_devices=1), replicas)
+    expected = _every_copy(_one_device(reference, replicas), replicas)
     assert sorted(built.variables) == sorted(expected.variables)  # no copy left uncompared
     synced = train(synced_graph, built, data, num_devices=replicas)
     unsynced_result = train(unsynced.graph, unsynced, data, num_devices=replicas)
@@ -179,7 +188,7 @@ def test_mirrored_strategy_trains_like_one_device(kind: str, replicas: int, entr
         written = sorted(kept[update].input[0] for update in row.updates_kept)
         assert written == sorted(f"{row.layer}/{statistic}" + (f"/replica_{k}" if k else "")
                                  for statistic in ("moving_mean", "moving_variance") for k in range(replicas))
-    _check_oracle(f"{kind} {entry} {path}", built, result.graph_def, built, _build(kind, 1, replicas * BATCH))
+    _check_oracle(f"{kind} {entry} {path}", built, result.graph_def, built, kind)
 
 
 def test_keras_synchronized_batch_norm_trains_like_one_device() -> None:
@@ -188,5 +197,4 @@ def test_keras_synchronized_batch_norm_trains_like_one_device() -> None:
     the plain layer on the replicas does not. When this fails, the harness is wrong."""
     replicas = 2
     built = _build("keras_synchronized", replicas, BATCH)
-    _check_oracle("keras synchronized", built, built.graph, _build("keras_unfused", replicas, BATCH),
-                  _build("keras_unfused", 1, replicas * BATCH))
+    _check_oracle("keras synchronized", built, built.graph, _build("keras_unfused", replicas, BATCH), "keras_unfused")

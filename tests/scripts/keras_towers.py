@@ -34,8 +34,9 @@ With --reference each also trains the one-device reference: the same model fed t
 (fit without the merging model or the strategy), once as is and once with its images scaled by
 1 + 1e-7 (the noise floor of the comparison), and the towers as built (unsynchronized). Initial values are set from the weights'
 names, so both sides start equal. After training (but MobileNetV2's) the weights go to a
-checkpoint (`save_weights`, and a `tf.compat.v1.train.Saver` one); a new graph builds the model
-for inference, restores each, and its `predict` and `evaluate` outputs are saved beside every
+checkpoint (`save_weights`, and a `tf.compat.v1.train.Saver` one); a graph of the case's own, not
+training's (built once per process), has the model for inference restore each, its weights set
+back to their initializers first, and its `predict` and `evaluate` outputs are saved beside every
 weight.
 
 Usage: keras_towers.py OUT_DIR CASE... [--towers K] [--batch B] [--reference]
@@ -43,6 +44,7 @@ Usage: keras_towers.py OUT_DIR CASE... [--towers K] [--batch B] [--reference]
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import zlib
@@ -222,23 +224,53 @@ def _weights(model: keras.Model) -> dict[str, np.ndarray]:
     return {w.name.split(":")[0]: value for w, value in zip(model.weights, model.get_weights())}
 
 
-def _inference(case: str, images: np.ndarray, targets: np.ndarray, directory: str) -> dict[str, np.ndarray]:
-    """A new graph with the model for inference restoring each checkpoint: predict, evaluate."""
-    out = {}
-    for how in ("keras", "saver"):
+@dataclasses.dataclass(frozen=True)
+class _Reader:
+    """A graph of its own with a case's model for inference: compiled, called with training=False
+    on `images`, a Saver of its weights and `reset`, their initializers."""
+
+    graph: tf.Graph
+    session: tf1.Session
+    model: keras.Model
+    images: tf.Tensor
+    called: tf.Tensor
+    saver: tf1.train.Saver
+    reset: tf.Operation
+
+
+#: Per case, its reader, built once per process: every checkpoint of the case is restored into it.
+_READERS: dict[str, _Reader] = {}
+
+
+def _reader(case: str, image: tuple[int, ...]) -> _Reader:
+    if case not in _READERS:
         tf1.reset_default_graph()
         keras.backend.clear_session()
-        session = _session(1)
-        model = _model(case)
-        if how == "keras":
-            model.load_weights(os.path.join(directory, "weights"))
-        else:
-            tf1.train.Saver(model.weights).restore(session, os.path.join(directory, "saver"))
-        model.compile(keras.optimizers.legacy.SGD(0.1), "mse")
-        out[f"predict_{how}"] = model.predict(images[:8], batch_size=8, verbose=0)
-        out[f"evaluate_{how}"] = np.array(model.evaluate(images[:8], targets[:8], batch_size=8, verbose=0))
-        x = tf1.placeholder(tf.float32, [8, *images.shape[1:]])
-        out[f"inference_{how}"] = session.run(model(x, training=False), {x: images[:8]})
+        session = tf1.Session(config=tf1.ConfigProto(device_count={"CPU": 1}))
+        with session.as_default():  # not Keras' session, which the next case's clear_session closes
+            model = _model(case)
+            model.compile(keras.optimizers.legacy.SGD(0.1), "mse")
+            images = tf1.placeholder(tf.float32, [8, *image])
+            _READERS[case] = _Reader(session.graph, session, model, images, model(images, training=False),
+                                     tf1.train.Saver(model.weights), tf1.variables_initializer(model.weights))
+    return _READERS[case]
+
+
+def _inference(case: str, images: np.ndarray, targets: np.ndarray, directory: str) -> dict[str, np.ndarray]:
+    """The case's reader (a graph other than training's) restoring each checkpoint, its weights
+    set back to their initializers before each (what a restore misses reads as in a new graph):
+    predict, evaluate, the training=False call."""
+    reader, out = _reader(case, images.shape[1:]), {}
+    with reader.graph.as_default(), reader.session.as_default():
+        for how in ("keras", "saver"):
+            reader.session.run(reader.reset)
+            if how == "keras":
+                reader.model.load_weights(os.path.join(directory, "weights"))
+            else:
+                reader.saver.restore(reader.session, os.path.join(directory, "saver"))
+            out[f"predict_{how}"] = reader.model.predict(images[:8], batch_size=8, verbose=0)
+            out[f"evaluate_{how}"] = np.array(reader.model.evaluate(images[:8], targets[:8], batch_size=8, verbose=0))
+            out[f"inference_{how}"] = reader.session.run(reader.called, {reader.images: images[:8]})
     return out
 
 
