@@ -22,7 +22,6 @@ import os
 import subprocess
 import sys
 from collections import defaultdict
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -39,13 +38,6 @@ BN_LAYERS = ["net/bn1", "net/bn2"]
 #: A collective that waits longer than this fails instead of hanging the test run.
 TIMEOUT_SECONDS = 60.0
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def reference(spec: Spec) -> Result:
-    """One device fed every example of each step, trained once per process: its graph has no
-    tower to name, so its numbers do not depend on the towers' prefix (the variables are net/...
-    whatever the prefix), and specs that differ only by it share it."""
-    return one_device_run(replace(spec, tower_prefix="tower_"), STEPS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,7 +57,7 @@ def oracle(spec: Spec, splits=None, **options):
     fed every example of each step, and the report."""
     built = towers_once(spec)
     result = rewrite_graph(built.graph, backend="collective", **options)
-    expected = reference(spec)
+    expected = one_device_run(spec, STEPS)
     synced = train(result.graph_def, built, make_batches(spec, STEPS), num_devices=spec.towers, splits=splits)
     unsynced = as_built(spec, _frozen(splits))
     return rel_errors(synced, expected), rel_errors(unsynced, expected), result.report
@@ -175,7 +167,7 @@ def test_uneven_moments_under_enable():
 
     spec = Spec(towers=3, batch=4, layer="legacy_unfused", uneven=True)
     built, data = build_towers(spec), make_batches(spec, STEPS)  # its own graph: the sessions may add to it
-    expected, unsynced = reference(spec), as_built(spec, _frozen(UNEVEN_SPLITS))  # test_uneven_batches' too
+    expected, unsynced = one_device_run(spec, STEPS), as_built(spec, _frozen(UNEVEN_SPLITS))  # test_uneven_batches' too
     with bnrewrite.enabled(quiet=True):
         synced = train(built.graph, built, data, num_devices=spec.towers, splits=UNEVEN_SPLITS)
     assert live.records()[-1]["outcome"] == "synchronized", live.records()[-1]["why"]
