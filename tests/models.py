@@ -23,6 +23,7 @@ helpers.
     assert_synced(label, synced, unsynced, expected, tolerance) -> float   (test-only)
     use_passes(monkeypatch); kernel_gradients(graph_def), kernel_moments(graph_def) -> [names]   (test-only)
     one_device_run(spec, steps), unrewritten_run(spec, steps) -> Result   (test-only, once per process)
+    towers_once(spec) -> Built   (test-only: build_towers once per process, read-only)
 
 Typical oracle test::
 
@@ -87,7 +88,15 @@ __all__ = [
     "Spec", "Built", "Result", "build_towers", "build_reference", "make_batches",
     "train", "max_rel_error", "rel_errors", "load_graph", "build_hand_synced",
     "LAYERS", "DATA_FORMATS", "DTYPES", "DEVICES", "assert_synced", "one_device_run", "unrewritten_run",
+    "towers_once",
 ]
+
+
+@functools.lru_cache(maxsize=None)
+def towers_once(spec: Spec) -> Built:
+    """build_towers(spec), built once per test process: rewrite_graph and train only read the
+    graph, so every backend, option and un-rewritten run can share it (never add ops to it)."""
+    return build_towers(spec)
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,11 +114,11 @@ def unrewritten_run(spec: Spec, steps: int, built: Built | None = None) -> Resul
     """The K-tower graph as built, not rewritten, trained on make_batches(spec, steps): the
     oracle's must-not-match side, trained once per test process (treat it as read-only).
     `built`: the caller's own build_towers(spec), not yet rewritten nor run: a copy of its
-    GraphDef is trained, which spares building the towers again (its Python graph is left alone)."""
+    GraphDef is trained (its Python graph is left alone); else the towers_once(spec) graph."""
     key = (spec, steps)
     if key not in _UNREWRITTEN:
         if built is None:
-            built = build_towers(spec)
+            built = towers_once(spec)
             graph = built.graph
         else:
             graph = built.graph.as_graph_def()

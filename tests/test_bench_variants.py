@@ -102,14 +102,24 @@ def difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray], skip: str = "
     return max(float(np.max(np.abs(a[k] - b[k])) / max(np.max(np.abs(a[k])), 1e-6)) for k in a if not re.search(skip, k))
 
 
-@pytest.fixture(scope="module")
-def start() -> dict[str, np.ndarray]:
-    return initial_values(build_variants(["unsynced"], TOWERS, SIZE, "float32", "cpu")[0])
+#: bnrewrite's graphs from a bare GraphDef (test_bare_graph_def_gives_the_graph_a_tf_graph_gives).
+GRAPH_DEFS = ("bnrewrite_graphdef", "bnrewrite_graphdef_collective")
 
 
 @pytest.fixture(scope="module")
-def trained_on_cpu(start) -> dict[str, dict[str, np.ndarray]]:
-    return train(build_variants(["unsynced", *SYNCED, *FLOORS], TOWERS, SIZE, "float32", "cpu"), start)
+def on_cpu() -> dict[str, Variant]:
+    """Every CPU variant the tests use, built once (one deep_net graph, one rewrite per backend)."""
+    return {v.name: v for v in build_variants(["unsynced", *SYNCED, *FLOORS, *GRAPH_DEFS], TOWERS, SIZE, "float32", "cpu")}
+
+
+@pytest.fixture(scope="module")
+def start(on_cpu) -> dict[str, np.ndarray]:
+    return initial_values(on_cpu["unsynced"])
+
+
+@pytest.fixture(scope="module")
+def trained_on_cpu(on_cpu, start) -> dict[str, dict[str, np.ndarray]]:
+    return train([on_cpu[name] for name in ("unsynced", *SYNCED, *FLOORS)], start)
 
 
 @pytest.mark.parametrize("name", SYNCED[1:])
@@ -119,12 +129,10 @@ def test_synced_variants_train_alike(trained_on_cpu, name):
     assert difference(trained_on_cpu["unsynced"], trained_on_cpu[name], skip) > 1e-2
 
 
-def test_bare_graph_def_gives_the_graph_a_tf_graph_gives():
+def test_bare_graph_def_gives_the_graph_a_tf_graph_gives(on_cpu):
     """`bnrewrite convert x.pb` (a bare GraphDef: shapes inferred) and `rewrite_graph(tf.Graph)`
     (shapes recorded) write the same graph (step_variants.comparable), with either backend."""
-    built = {v.name: comparable(v.graph_def) for v in build_variants(
-        ["bnrewrite", "bnrewrite_graphdef", "bnrewrite_collective", "bnrewrite_graphdef_collective"], TOWERS, SIZE,
-        "float32", "cpu")}
+    built = {name: comparable(on_cpu[name].graph_def) for name in ("bnrewrite", "bnrewrite_collective", *GRAPH_DEFS)}
     assert built["bnrewrite"] == built["bnrewrite_graphdef"]
     assert built["bnrewrite_collective"] == built["bnrewrite_graphdef_collective"]
     assert built["bnrewrite"] != built["bnrewrite_collective"]

@@ -5,11 +5,14 @@ fail (unsynchronized towers differ from the reference) and that it can pass
 (a hand-written synchronized-BN towers graph matches the reference).
 """
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from models import (
+    Result,
     Spec,
     build_hand_synced,
     build_reference,
@@ -17,16 +20,13 @@ from models import (
     load_graph,
     make_batches,
     max_rel_error,
+    one_device_run,
     rel_errors,
+    towers_once,
     train,
 )
 
 STEPS = 3
-
-
-def _run_reference(spec, data):
-    ref = build_reference(spec)
-    return train(ref.graph, ref, data, num_devices=1)
 
 
 def _bn_nodes(graph_def):
@@ -42,7 +42,7 @@ def test_one_tower_matches_reference(layer, data_format):
     towers = build_towers(spec)
     # Through a GraphDef round trip, as rewritten graphs will be trained.
     got = train(towers.graph.as_graph_def(), towers, data, num_devices=1)
-    expected = _run_reference(spec, data)
+    expected = one_device_run(spec, STEPS)  # trained on make_batches(spec, STEPS): `data`
     assert max_rel_error(got, expected) < 1e-6
     assert max_rel_error(got, expected, elementwise=True) < 1e-6
     assert np.all(np.isfinite(got.losses)) and len(got.losses) == STEPS
@@ -54,9 +54,9 @@ def test_one_tower_matches_reference(layer, data_format):
 def test_unsynced_towers_differ_from_reference(towers, layer, data_format):
     spec = Spec(towers=towers, batch=4, layer=layer, data_format=data_format)
     data = make_batches(spec, STEPS)
-    built = build_towers(spec)
+    built = towers_once(spec)
     got = train(built.graph.as_graph_def(), built, data, num_devices=towers)
-    expected = _run_reference(spec, data)
+    expected = one_device_run(spec, STEPS)
     assert np.all(np.isfinite(got.losses))
     err = max_rel_error(got, expected)
     print(f"unsynced K={towers} {layer} {data_format}: max_rel_error={err:.3g}")
@@ -65,15 +65,21 @@ def test_unsynced_towers_differ_from_reference(towers, layer, data_format):
     assert abs(got.losses[0] - expected.losses[0]) > 1e-3 * abs(expected.losses[0])
 
 
+@functools.cache
+def _hand_synced_run(data_format: str) -> Result:
+    """build_hand_synced(K=2) trained: its plain ops are the same whichever layer the reference
+    has, so it is trained once per data format (read-only)."""
+    spec = Spec(towers=2, batch=4, data_format=data_format)
+    synced = build_hand_synced(spec)
+    return train(synced.graph.as_graph_def(), synced, make_batches(spec, STEPS), num_devices=spec.towers)
+
+
 @pytest.mark.parametrize("layer", ["legacy", "fused_op"])
 @pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
 def test_hand_synced_towers_match_reference(layer, data_format):
     """The oracle can pass: correct synchronized BN == single-device reference."""
-    spec = Spec(towers=2, batch=4, layer=layer, data_format=data_format)
-    data = make_batches(spec, STEPS)
-    expected = _run_reference(spec, data)
-    synced = build_hand_synced(spec)
-    got = train(synced.graph.as_graph_def(), synced, data, num_devices=spec.towers)
+    expected = one_device_run(Spec(towers=2, batch=4, layer=layer, data_format=data_format), STEPS)
+    got = _hand_synced_run(data_format)
     assert max_rel_error(got, expected) < 1e-5, rel_errors(got, expected)
 
 
@@ -81,7 +87,7 @@ def test_hand_synced_with_every_towers_updates_fails():
     """Keeping all K towers' moving-average updates must be caught."""
     spec = Spec(towers=2, batch=4, layer="fused_op")
     data = make_batches(spec, STEPS)
-    expected = _run_reference(spec, data)
+    expected = one_device_run(spec, STEPS)
     synced = build_hand_synced(spec, all_tower_updates=True)
     got = train(synced.graph, synced, data, num_devices=spec.towers)
     errors = rel_errors(got, expected)
@@ -94,7 +100,7 @@ def test_hand_synced_with_every_towers_updates_fails():
 ])
 def test_low_precision_graph_trains(layer, dtype):
     spec = Spec(towers=2, batch=4, layer=layer, dtype=dtype)
-    built = build_towers(spec)
+    built = towers_once(spec)
     bns = _bn_nodes(built.graph.as_graph_def())
     assert len(bns) == 2 * spec.towers
     expected_t = tf.as_dtype(dtype).as_datatype_enum
@@ -105,7 +111,7 @@ def test_low_precision_graph_trains(layer, dtype):
     assert np.all(np.isfinite(got.losses))
     assert all(np.all(np.isfinite(v)) for v in got.variables.values())
     # The single-device reference (same dtype) trains too.
-    ref = _run_reference(spec, data)
+    ref = one_device_run(spec, STEPS)
     assert np.all(np.isfinite(ref.losses))
 
 

@@ -7,7 +7,7 @@ comparison is able to fail.
 import pytest
 
 from bnrewrite import rewrite_graph
-from models import Spec, build_towers, make_batches, max_rel_error, one_device_run, rel_errors, train, unrewritten_run
+from models import Spec, make_batches, max_rel_error, one_device_run, rel_errors, towers_once, train, unrewritten_run
 
 STEPS = 3
 #: Float32 graphs that are mathematically equal differ by ~1e-6; half precision rounds BN's
@@ -36,10 +36,10 @@ def _case_id(spec: Spec) -> str:
 
 def run_oracle(spec: Spec, **options) -> tuple[float, float, dict]:
     """(synced error, unsynced error, per-quantity synced errors) against the reference."""
-    built = build_towers(spec)
-    result = rewrite_graph(built.graph, **options)
-    expected = one_device_run(spec, STEPS)  # the reference and the un-rewritten graph do not depend
-    unsynced = unrewritten_run(spec, STEPS)  # on the options: trained once for every backend
+    built = towers_once(spec)  # the graph, the reference and the un-rewritten graph do not depend
+    result = rewrite_graph(built.graph, **options)  # on the options: built and trained once for every backend
+    expected = one_device_run(spec, STEPS)
+    unsynced = unrewritten_run(spec, STEPS)
     synced = train(result.graph_def, built, make_batches(spec, STEPS), num_devices=spec.towers)
     return max_rel_error(synced, expected), max_rel_error(unsynced, expected), rel_errors(synced, expected)
 

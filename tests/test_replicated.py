@@ -16,6 +16,7 @@ in either graph). Also the NCCL all-reduces of GPU-placed replicas (built, never
 
 from __future__ import annotations
 
+import functools
 import warnings
 import zlib
 from collections import defaultdict
@@ -143,17 +144,46 @@ def _expected(reference: Result, towers: Towers, every_tower_updates: bool) -> R
     return Result(losses=reference.losses, variables=variables)
 
 
-def _check_oracle(label: str, model: Model, towers: Towers, graph_def: tf1.GraphDef, built: Built, *,
+#: The models by name, so that what is built and trained from them can be cached.
+MODELS: dict[str, Model] = {"fused": _block(True), "unfused": _block(False), "twins": _twins}
+
+
+@functools.cache
+def _data(k: int) -> list:
+    """Each tower's slice scaled and shifted its own way. Seed 1: with seed 0 (K=4, unfused), one
+    input of the last relu is 6e-8 at step 3, and round-off flips its gradient (1.9e-2)."""
+    return make_batches(Spec(towers=k, batch=BATCH, seed=1), STEPS)
+
+
+@functools.cache
+def _built(model: str, towers: tuple[tuple[str, str], ...], every_tower_updates: bool = True,
+           resource: bool = True) -> Built:
+    """_build of the named model with B examples per tower, once per process (read-only)."""
+    return _build(MODELS[model], towers, BATCH, every_tower_updates=every_tower_updates, resource=resource)
+
+
+@functools.cache
+def _one_device(model: str, first: tuple[str, str], k: int, resource: bool) -> Result:
+    """The model on tower `first` alone fed all K*B examples, trained once per process (read-only)."""
+    ref = _build(MODELS[model], [first], k * BATCH, resource=resource)
+    return train(ref.graph, ref, _data(k), num_devices=1)
+
+
+@functools.cache
+def _as_built(model: str, towers: tuple[tuple[str, str], ...], every_tower_updates: bool, resource: bool) -> Result:
+    """The un-rewritten towers trained, once per process (read-only)."""
+    built = _built(model, towers, every_tower_updates, resource)
+    return train(built.graph, built, _data(len(towers)), num_devices=len(towers))
+
+
+def _check_oracle(label: str, model: str, towers: Towers, graph_def: tf1.GraphDef, *,
                   every_tower_updates: bool = True, resource: bool = True) -> None:
     """Every tower's copy of every variable, and the losses, of the rewritten graph match one
     device fed all K*B examples; the un-rewritten graph does not."""
-    k = len(towers)
-    # Each tower's slice scaled and shifted its own way. Seed 1: with seed 0 (K=4, unfused), one
-    # input of the last relu is 6e-8 at step 3, and round-off flips its gradient (1.9e-2).
-    data = make_batches(Spec(towers=k, batch=BATCH, seed=1), STEPS)
-    ref = _build(model, towers[:1], k * BATCH, resource=resource)
-    expected = _expected(train(ref.graph, ref, data, num_devices=1), towers, every_tower_updates)
-    synced, unsynced = (train(g, built, data, num_devices=k) for g in (graph_def, built.graph))
+    k, towers = len(towers), tuple(towers)
+    expected = _expected(_one_device(model, towers[0], k, resource), towers, every_tower_updates)
+    synced = train(graph_def, _built(model, towers, every_tower_updates, resource), _data(k), num_devices=k)
+    unsynced = _as_built(model, towers, every_tower_updates, resource)
     assert_synced(f"{label} K={k}", synced, unsynced, expected, 1e-4)
 
 
@@ -198,8 +228,8 @@ def test_replicated_block_trains_like_one_device(k: int, fused: bool, every_towe
                                                  path: str, monkeypatch):
     """path: the all-reduce backend, or "passes": local with the elementwise passes where the fused kernels would serve."""
     towers = _numbered(k)
-    model = _block(fused)
-    built = _build(model, towers, BATCH, every_tower_updates=every_tower_updates, resource=resource)
+    model = "fused" if fused else "unfused"
+    built = _built(model, tuple(towers), every_tower_updates, resource)
     if path == "passes":
         use_passes(monkeypatch)
     result = rewrite_graph(built.graph, backend="collective" if path == "collective" else "local")
@@ -211,8 +241,7 @@ def test_replicated_block_trains_like_one_device(k: int, fused: bool, every_towe
     _assert_updates_kept(result.report, result.graph_def, towers, every_tower_updates)
     label = (f"replicated {'fused' if fused else 'unfused'} {'resource' if resource else 'ref'}, "
              f"{'every tower' if every_tower_updates else 'tower 0'} updates")
-    _check_oracle(label, model, towers, result.graph_def, built, every_tower_updates=every_tower_updates,
-                  resource=resource)
+    _check_oracle(label, model, towers, result.graph_def, every_tower_updates=every_tower_updates, resource=resource)
 
 
 def test_layer_missing_in_one_tower_refuses_the_graph_or_with_allow_unsynced_is_skipped():
@@ -238,8 +267,7 @@ def test_identical_parallel_layers_are_paired_right_or_skipped():
     each has two branches that only their weights tell apart: a wrong pairing mixes the
     statistics of different branches, which the oracle sees."""
     towers = [(name, f"w_{name}") for name in ("alpha", "beta", "omega")]
-    built = _build(_twins, towers, BATCH)
-    result = rewrite_graph(built.graph, backend="collective", allow_unsynced=True)
+    result = rewrite_graph(_built("twins", tuple(towers)).graph, backend="collective", allow_unsynced=True)
     branches = ["batch_normalization_1", "batch_normalization_2"]
     skipped = result.report.skipped
     print("branches skipped:", {s["reason"] for s in skipped} if skipped else "no")
@@ -249,7 +277,7 @@ def test_identical_parallel_layers_are_paired_right_or_skipped():
         assert all(s["reason"] for s in skipped)
         _assert_lined_up(result.report, towers, ["batch_normalization"])
     else:
-        _check_oracle("identical parallel branches", _twins, towers, result.graph_def, built)
+        _check_oracle("identical parallel branches", "twins", towers, result.graph_def)
         _assert_lined_up(result.report, towers, ["batch_normalization", *branches])
 
 

@@ -28,8 +28,8 @@ import pytest
 import tensorflow as tf
 
 from bnrewrite import rewrite_graph
-from models import (Result, Spec, build_reference, build_towers, make_batches, max_rel_error, one_device_run, rel_errors,
-                    train, unrewritten_run)
+from models import (Result, Spec, build_towers, make_batches, max_rel_error, one_device_run, rel_errors, towers_once, train,
+                    unrewritten_run)
 
 STEPS = 3
 TOLERANCE = 2e-4  # float32; measured ~1e-6 (see the report printed by each test)
@@ -40,16 +40,26 @@ TIMEOUT_SECONDS = 60.0
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@functools.lru_cache(maxsize=None)
+def as_built(spec: Spec, splits) -> Result:
+    """The un-rewritten towers trained on the spec's batches split by `splits` (a tuple of
+    tuples, or None): the must-not-match side, the same for every option, trained once (read-only)."""
+    built = towers_once(spec)
+    return train(built.graph, built, make_batches(spec, STEPS), num_devices=spec.towers, splits=splits)
+
+
+def _frozen(splits):
+    return None if splits is None else tuple(map(tuple, splits))
+
+
 def oracle(spec: Spec, splits=None, **options):
     """Per-quantity errors of the rewritten and of the un-rewritten graph against one device
     fed every example of each step, and the report."""
-    built = build_towers(spec)
+    built = towers_once(spec)
     result = rewrite_graph(built.graph, backend="collective", **options)
-    data = make_batches(spec, STEPS)
-    ref = build_reference(spec)
-    expected = train(ref.graph, ref, data, num_devices=1)
-    synced = train(result.graph_def, built, data, num_devices=spec.towers, splits=splits)
-    unsynced = train(built.graph, built, data, num_devices=spec.towers, splits=splits)
+    expected = one_device_run(spec, STEPS)
+    synced = train(result.graph_def, built, make_batches(spec, STEPS), num_devices=spec.towers, splits=splits)
+    unsynced = as_built(spec, _frozen(splits))
     return rel_errors(synced, expected), rel_errors(unsynced, expected), result.report
 
 
@@ -156,10 +166,8 @@ def test_uneven_moments_under_enable():
     from bnrewrite.session import live
 
     spec = Spec(towers=3, batch=4, layer="legacy_unfused", uneven=True)
-    built, ref = build_towers(spec), build_reference(spec)
-    data = make_batches(spec, STEPS)
-    expected = train(ref.graph, ref, data, num_devices=1)
-    unsynced = train(built.graph, built, data, num_devices=spec.towers, splits=UNEVEN_SPLITS)
+    built, data = build_towers(spec), make_batches(spec, STEPS)  # its own graph: the sessions may add to it
+    expected, unsynced = one_device_run(spec, STEPS), as_built(spec, _frozen(UNEVEN_SPLITS))  # test_uneven_batches' too
     with bnrewrite.enabled(quiet=True):
         synced = train(built.graph, built, data, num_devices=spec.towers, splits=UNEVEN_SPLITS)
     assert live.records()[-1]["outcome"] == "synchronized", live.records()[-1]["why"]
@@ -276,7 +284,7 @@ def test_sync_groups_train_like_devices_with_the_group_batch(layer, backend):
     """
     b = 2
     spec = Spec(towers=4, batch=b, layer=layer)
-    built = build_towers(spec)
+    built = towers_once(spec)
     result = rewrite_graph(built.graph, backend=backend, group_size=2)
     data = make_batches(spec, STEPS)
     expected, plain = _two_devices(spec, True), _two_devices(spec, False)

@@ -23,9 +23,12 @@ from models import (
     load_graph,
     make_batches,
     max_rel_error,
+    one_device_run,
     rel_errors,
     session_config,
+    towers_once,
     train,
+    unrewritten_run,
 )
 
 STEPS = 3
@@ -66,17 +69,12 @@ def _batches(spec):
     return batches[:STEPS], batches[STEPS]
 
 
-#: One built graph per spec: every backend rewrites the same input, so backend auto under control
-#: flow v2 (the collective backend) gives byte for byte the graph backend collective gave.
-_built = functools.lru_cache(maxsize=None)(build_towers)
-
-
 @functools.lru_cache(maxsize=None)
 def _unrewritten(spec, evaluate):
     """The one-device reference (with its eval loss) and the un-rewritten towers: the same for
     every backend, so trained once per test process (read-only)."""
     train_batches, eval_batch = _batches(spec)
-    ref, built = build_reference(spec), _built(spec)
+    ref, built = build_reference(spec), towers_once(spec)
     expected, expected_eval = train_then_eval(ref.graph, ref, train_batches, eval_batch, 1, evaluate)
     unsynced, _ = train_then_eval(built.graph, built, train_batches, eval_batch, spec.towers, False)
     return expected, expected_eval, unsynced
@@ -86,14 +84,14 @@ def _unrewritten(spec, evaluate):
 def _rewritten(spec, evaluate, graph_bytes):
     """The rewritten graph (serialized) trained and evaluated: backend auto under control flow
     v2 is the collective backend, the same graph, trained once (read-only)."""
-    built = _built(spec)
+    built = towers_once(spec)
     train_batches, eval_batch = _batches(spec)
     graph_def = tf.compat.v1.GraphDef.FromString(graph_bytes)
     return train_then_eval(graph_def, built, train_batches, eval_batch, spec.towers, evaluate)
 
 
 def _oracle(spec, evaluate, backend="collective"):
-    result = rewrite_graph(_built(spec).graph, backend=backend)
+    result = rewrite_graph(towers_once(spec).graph, backend=backend)
     expected, expected_eval, unsynced = _unrewritten(spec, evaluate)
     synced, synced_eval = _rewritten(spec, evaluate, result.graph_def.SerializeToString(deterministic=True))
     return result, expected, expected_eval, synced, synced_eval, unsynced
@@ -156,12 +154,11 @@ def test_half_precision_is_as_close_to_float32_as_one_device(layer, dtype, data_
     un-rewritten graph is far off.
     """
     spec = Spec(towers=2, layer=layer, dtype=dtype, data_format=data_format)
-    data = make_batches(spec, STEPS)
-    truth_ref, one_ref, built = build_reference(replace(spec, dtype="float32")), build_reference(spec), build_towers(spec)
-    truth, one = train(truth_ref.graph, truth_ref, data, num_devices=1), train(one_ref.graph, one_ref, data, num_devices=1)
+    built = towers_once(spec)
+    truth, one = one_device_run(replace(spec, dtype="float32"), STEPS), one_device_run(spec, STEPS)
     result = rewrite_graph(built.graph, backend="collective")
-    synced = train(result.graph_def, built, data, num_devices=spec.towers)
-    unsynced = train(built.graph, built, data, num_devices=spec.towers)
+    synced = train(result.graph_def, built, make_batches(spec, STEPS), num_devices=spec.towers)
+    unsynced = unrewritten_run(spec, STEPS)
     one_off, synced_off, unsynced_off = (max_rel_error(r, truth) for r in (one, synced, unsynced))
     moving = {q: e for q, e in rel_errors(synced, one).items() if "/pop_" in q or "/moving_" in q}
     print(f"{layer} {dtype} {data_format}: from float32 one device {one_off:.2e}, synced {synced_off:.2e}, "
