@@ -122,10 +122,22 @@ def trained_on_cpu(on_cpu, start) -> dict[str, dict[str, np.ndarray]]:
     return train([on_cpu[name] for name in ("unsynced", *SYNCED, *FLOORS)], start)
 
 
+@pytest.fixture(scope="module")
+def alike(on_cpu, start, trained_on_cpu) -> float:
+    """How close two synced variants must train: 10 noise floors (how far a 1e-7 relative
+    perturbation of the start moves model_sync), at least 1e-5. Differently rounded moments put
+    bnrewrite 2-7e-6 from model_sync (floors 0.7-1.9e-6, float64 or float32 combine alike, 2026-11-29),
+    and one draw of the start values 1.2e-5: a fixed 1e-5 failed by chance."""
+    rng = np.random.RandomState(7)
+    perturbed = {k: (v * (1 + 1e-7 * rng.standard_normal(v.shape))).astype(v.dtype) for k, v in start.items()}
+    moved = train([on_cpu["model_sync"]], perturbed)["model_sync"]
+    return max(1e-5, 10 * difference(trained_on_cpu["model_sync"], moved, "moving_variance"))
+
+
 @pytest.mark.parametrize("name", SYNCED[1:])
-def test_synced_variants_train_alike(trained_on_cpu, name):
+def test_synced_variants_train_alike(trained_on_cpu, alike, name):
     skip = "moving_variance" if name in BIASED_MOVING_VARIANCE else "^$"
-    assert difference(trained_on_cpu["bnrewrite"], trained_on_cpu[name], skip) < 1e-5
+    assert difference(trained_on_cpu["bnrewrite"], trained_on_cpu[name], skip) < alike
     assert difference(trained_on_cpu["unsynced"], trained_on_cpu[name], skip) > 1e-2
 
 
@@ -152,7 +164,7 @@ def test_floors_train_as_unsynced(trained_on_cpu, name):
     assert difference(trained_on_cpu["bnrewrite"], trained_on_cpu[name]) > 1e-2
 
 
-def test_gpu_graphs_train_alike_on_cpu(start, trained_on_cpu):
+def test_gpu_graphs_train_alike_on_cpu(start, trained_on_cpu, alike):
     """tools/gpu_step.py's graphs run on CPU: bnrewrite, model code and the floors with
     NcclAllReduce, tf_keras's with CollectiveReduceV2 hinted to NCCL; the synced ones train as
     on CPU, the floors as un-synced."""
@@ -164,6 +176,6 @@ def test_gpu_graphs_train_alike_on_cpu(start, trained_on_cpu):
     trained = train(on_cpu, start)
     for name in ("bnrewrite", "model_sync", "keras_sync"):
         skip = "moving_variance" if name in BIASED_MOVING_VARIANCE else "^$"
-        assert difference(trained_on_cpu["bnrewrite"], trained[name], skip) < 1e-5
+        assert difference(trained_on_cpu["bnrewrite"], trained[name], skip) < alike
     for name in ("floor", "floor_gated"):
         assert difference(trained["unsynced"], trained[name], RACING) < 1e-6

@@ -274,7 +274,7 @@ def _op_version_matches_one_device(op: str, path: str, batch: str) -> None:
     assert set(payload.values()) == ({3} if counted else {2}), payload  # [n,] sum dy, sum dy*xc
     # unknown: [n, sum, sum of squares] summed; static: each tower's [mean, spread] gathered, no count
     summed = {len(n.input) - 1 for n in result.graph_def.node if n.op == "ConcatV2" and n.name.endswith("sync_bn/moments")}
-    gathered = [n for n in result.graph_def.node if n.op == "Pack" and n.name.endswith("sync_bn/placed") and len(n.input) == 2 * k]
+    gathered = [n for n in result.graph_def.node if n.op == "Pad" and n.name.endswith("sync_bn/placed")]
     assert (summed, len(gathered)) == (({3}, 0) if counted else (set(), k)), (summed, gathered)
     # The kernels serve every op version and batch, forward and backward.
     kernels = k if path == "kernels" else 0

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from bnrewrite.graph.nodes import DT_DOUBLE, DT_FLOAT, Builder, DType
+from bnrewrite.graph.nodes import DT_DOUBLE, DT_FLOAT, DT_INT32, Builder, DType
 from bnrewrite.rewrite.collectives import Collective, all_reduce
 
 D, F = DT_DOUBLE, DT_FLOAT
@@ -108,15 +108,17 @@ def global_moments(b: Builder, local: Local, key: Collective, counts: Sequence[i
 
 
 def _gathered_moments(b: Builder, local: Local, key: Collective, counts: Sequence[int], channels: int, work: int) -> Moments:
-    """Static counts: member j's [m, spread] in rows 2j, 2j+1 of a [2K, C] all-reduce (zeros
-    elsewhere), so every tower holds every tower's moments; then two contractions with constant
-    weights: mean = sum_j n_j/N m_j, and variance = sum_j (n_j (m_j - mean)^2 + f_j spread_j) / N,
+    """Static counts: member j's [m, spread] padded into rows 2j, 2j+1 of a [2K, C] all-reduce, so
+    every tower holds every tower's moments; then two contractions with constant weights: mean = sum_j n_j/N m_j, and variance = sum_j (n_j (m_j - mean)^2 + f_j spread_j) / N,
     f_j = n_j - 1 or 1. A tower of no examples gives zeros (its kernel's moments are NaN)."""
     rows, total, dtype = 2 * len(counts), float(sum(counts)), NUMPY_TYPES[work]
-    zeros = b.const("zeros", np.zeros([channels], dtype), dtype)
-    mine = [zeros, zeros] if counts[key.member] == 0 else [local.mean, local.spread]
-    placed = b.node("Pack", "placed", [zeros] * (2 * key.member) + mine + [zeros] * (rows - 2 * key.member - 2),
-                    T=DType(work), N=rows, axis=0)
+    # a Pad, not a Pack with zeros: 2K inputs per tower would grow the graph as K^2
+    if counts[key.member] == 0:
+        pair = b.const("zeros", np.zeros([2, channels], dtype), dtype)
+    else:
+        pair = b.node("Pack", "local", [local.mean, local.spread], T=DType(work), N=2, axis=0)
+    padding = b.const("rows", [[2 * key.member, rows - 2 * key.member - 2], [0, 0]])
+    placed = b.node("Pad", "placed", [pair, padding], T=DType(work), Tpaddings=DType(DT_INT32))
     gathered = all_reduce(b, "all_reduce", placed, work, key)
     means = np.zeros(rows, dtype)
     means[0::2] = [n / total for n in counts]
