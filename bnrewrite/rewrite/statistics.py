@@ -108,11 +108,12 @@ def global_moments(b: Builder, local: Local, key: Collective, counts: Sequence[i
 
 
 def _gathered_moments(b: Builder, local: Local, key: Collective, counts: Sequence[int], channels: int, work: int) -> Moments:
-    """Static counts: member j's [m, spread] padded into rows 2j, 2j+1 of a [2K, C] all-reduce, so
-    every tower holds every tower's moments; then two contractions with constant weights: mean = sum_j n_j/N m_j, and variance = sum_j (n_j (m_j - mean)^2 + f_j spread_j) / N,
-    f_j = n_j - 1 or 1. A tower of no examples gives zeros (its kernel's moments are NaN)."""
+    """Static counts: member j's [m, spread] padded into rows 2j, 2j+1 of a [2K, C] all-reduce
+    (a Pad, not a Pack of 2K inputs, which would grow the graph as K^2), so every tower holds every
+    tower's moments; then two contractions with constant weights: mean = sum_j n_j/N m_j, and
+    variance = sum_j (n_j (m_j - mean)^2 + f_j spread_j) / N, f_j = n_j - 1 or 1. A tower of no
+    examples gives zeros (its kernel's moments are NaN)."""
     rows, total, dtype = 2 * len(counts), float(sum(counts)), NUMPY_TYPES[work]
-    # a Pad, not a Pack with zeros: 2K inputs per tower would grow the graph as K^2
     if counts[key.member] == 0:
         pair = b.const("zeros", np.zeros([2, channels], dtype), dtype)
     else:
