@@ -21,7 +21,7 @@ from tensorflow.python.framework.test_util import IsMklEnabled
 from bnrewrite import rewrite_graph
 from models import Built, Result, Spec, assert_synced, build_reference, build_towers, make_batches, train
 from nccl_on_cpu import COLLECTIVE_OP, KEY_INPUTS, NCCL_OP, all_nodes, collective_keys, members, nccl_to_cpu, on_cpu
-from test_residual import BN_LAYERS as RESIDUAL_LAYERS, block_batches, build_block
+from test_residual import BN_LAYERS as RESIDUAL_LAYERS, assert_one_order_on_every_device, block_batches, build_block
 
 STEPS = 3
 TOLERANCE = 2e-4  # float32 (measured 4e-7 - 1e-5)
@@ -40,7 +40,7 @@ SPEC_LAYERS = 2  # batch-norm layers of every Spec model
 ], ids=lambda s: f"K{s.towers}-{s.layer}-{s.data_format}")
 def test_nccl_graph_trains_like_one_device(spec: Spec):
     built = build_towers(spec)
-    converted = _converted(built, SPEC_LAYERS, list(range(spec.towers)))
+    _, converted = _converted(built, SPEC_LAYERS, list(range(spec.towers)))
     ref = build_reference(spec)
     data = make_batches(spec, STEPS)
     expected = train(ref.graph, ref, data, num_devices=1)
@@ -51,10 +51,11 @@ def test_nccl_parallel_layers_train_like_one_device():
     """tests/test_residual.py's ResNet block: its main branch and projection shortcut do not
     depend on each other, so only the rewrite's control-edge chains order their all-reduces.
     Chained in different orders on two devices, they would deadlock (the step fails at the
-    collective's timeout)."""
+    collective's timeout); the rewrite chains them in one order on every device."""
     k, b = 2, 2
     built = build_block(k, b, "fused", device="gpu")
-    converted = _converted(built, len(RESIDUAL_LAYERS), list(range(k)))
+    nccl, converted = _converted(built, len(RESIDUAL_LAYERS), list(range(k)))
+    assert_one_order_on_every_device(nccl)
     ref = build_block(1, k * b, "fused")
     data = block_batches(k, b)
     expected = train(ref.graph, ref, data, num_devices=1)
@@ -68,20 +69,20 @@ def test_nccl_sync_groups_train_like_one_device_per_group():
     b = 2
     spec = Spec(towers=4, batch=b, device="gpu")
     built = build_towers(spec)
-    converted = _converted(built, SPEC_LAYERS, [0, 1], [2, 3], group_size=2)
+    _, converted = _converted(built, SPEC_LAYERS, [0, 1], [2, 3], group_size=2)
     ref = build_towers(Spec(towers=2, batch=2 * b, updates_tower=0))
     data = make_batches(spec, STEPS)
     expected = train(ref.graph, ref, data, num_devices=2)
     _assert_oracle("nccl sync groups K=4", built, converted, expected, data)
 
 
-def _converted(built: Built, layers: int, *groups: list[int], **options: int) -> graph_pb2.GraphDef:
+def _converted(built: Built, layers: int, *groups: list[int], **options: int) -> tuple[graph_pb2.GraphDef, graph_pb2.GraphDef]:
     """The NCCL rewrite of `built` (`layers` batch-norm layers; sync groups of tower indices),
-    converted to run on CPU, once the conversion is checked."""
+    and that rewrite converted to run on CPU, once the conversion is checked."""
     nccl = rewrite_graph(built.graph, backend="nccl", **options).graph_def
     converted = nccl_to_cpu(nccl)
     _assert_conversion(on_cpu(nccl), converted, 2 * layers * len(built.inputs), groups)
-    return converted
+    return nccl, converted
 
 
 def _assert_conversion(nccl: graph_pb2.GraphDef, converted: graph_pb2.GraphDef, count: int, groups: tuple) -> None:

@@ -2,10 +2,11 @@
 
 The main branch (conv-BN-relu-conv-BN) and the projection shortcut (conv1x1-BN) of a ResNet
 block do not depend on each other, so each tower may reach their all-reduces in either
-order; the rewrite chains them in one order on every device. Built with tf_keras's legacy
-layers (fused, unfused, and batch renormalization), towers in `tower_k` scopes on `/cpu:k`,
-variables shared: resource variables, and the reference variables (VariableV2, Assign*)
-of graphs exported by TensorFlow 1.x. Also tf_keras's own (non-legacy) layers in a TF1 graph.
+order; the rewrite chains them in one order on every device (checked on the NCCL rewrite that
+tests/test_nccl_on_cpu.py trains). Built with tf_keras's legacy layers (fused, unfused, and
+batch renormalization), towers in `tower_k` scopes on `/cpu:k`, variables shared: resource
+variables, and the reference variables (VariableV2, Assign*) of graphs exported by TensorFlow
+1.x. Also tf_keras's own (non-legacy) layers in a TF1 graph.
 """
 
 import warnings
@@ -98,8 +99,9 @@ def test_residual_block_trains_like_one_device(kind, resource):
     result = rewrite_graph(built.graph, backend="collective")
     assert [row.layer for row in result.report.layers] == BN_LAYERS and not result.report.skipped
     statistics = {"moving_mean", "moving_variance"} | ({"renorm_mean", "renorm_stddev", "moving_stddev"} if kind == "renorm" else set())
+    nodes = {n.name: n for n in built.graph.as_graph_def().node}
     for row in result.report.layers:
-        assert sorted(_written(row, built)) == sorted(statistics)
+        assert sorted(_written(row, nodes)) == sorted(statistics)
     if kind == "renorm":  # the kept update of renorm_mean and renorm_stddev waits for every tower's r and d
         out = {n.name: n for n in result.graph_def.node}
         for update in (u for row in result.report.layers for u in row.updates_kept if "/renorm_" in out[u].input[0]):
@@ -116,16 +118,16 @@ def _check_oracle(label: str, built: Built, graph_def, ref: Built, k: int, data:
     assert_synced(f"{label} K={k}", synced, unsynced, expected, 2e-4)
 
 
-def _written(row, built: Built) -> list[str]:
-    """The variables the layer's kept updates write (last part of the name)."""
-    nodes = {n.name: n for n in built.graph.as_graph_def().node}
+def _written(row, nodes: dict) -> list[str]:
+    """The variables the layer's kept updates write (last part of the name); `nodes`: the built
+    graph's NodeDefs by name."""
     return [nodes[update].input[0].rsplit("/", 1)[1] for update in row.updates_kept]
 
 
-def test_parallel_layers_all_reduce_in_one_order_on_every_tower():
-    """NCCL towers: each device's all-reduces form one chain of control edges, and the layers
-    (and phases) come in the same order on every device."""
-    graph_def = rewrite_graph(build_block(2, 2, "fused", device="gpu").graph, backend="nccl").graph_def  # built, never run
+def assert_one_order_on_every_device(graph_def) -> None:
+    """Each device's all-reduces form one chain of control edges, and the layers (and phases)
+    come in the same order on every device (checked on the NCCL rewrite that
+    tests/test_nccl_on_cpu.py then trains)."""
     nodes = {n.name: n for n in graph_def.node}
     collectives = [n for n in graph_def.node if n.op in COLLECTIVE_OPS]
     per_device: dict[str, list] = {}
