@@ -222,7 +222,7 @@ def test_verify_says_where_soft_placement_ran_the_towers(monkeypatch, capsys):
     the devices asked for and where the towers ran; they train like one device."""
     import towers_model
 
-    spec = Spec(device="gpu")
+    spec = dataclasses.replace(SPEC, device="gpu")
     soft = session_config(spec.towers)
     soft.allow_soft_placement = True
     monkeypatch.setattr(towers_model, "session_config", lambda devices: soft)
@@ -232,7 +232,7 @@ def test_verify_says_where_soft_placement_ran_the_towers(monkeypatch, capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if "verified" in line]
     assert len(lines) == 1 and "verified 2 layers x 2 towers on /device:GPU:0..1 (ran on /device:CPU:0): worst " in lines[0]
     unsynced = train(built.graph, built, make_batches(spec, 2), num_devices=spec.towers)
-    assert_synced("soft placement", got, unsynced, one_device_run(Spec(), 2), 2e-5)
+    assert_synced("soft placement", got, unsynced, one_device_run(SPEC, 2), 2e-5)  # one device: SPEC's reference
 
 
 def test_cond_v2_layers_are_named_not_checked(capsys):
