@@ -23,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 sys.path.insert(0, SCRIPTS)
 import collective_worker as cw  # noqa: E402
+import zygote
 
 STOPPED = 13  # StepTimeoutError
 
@@ -39,8 +40,8 @@ def test_a_tower_whose_member_never_runs_stops_the_script_with_one_line():
     """Two steps train; then tower 0's loss is fetched alone: stopped at --timeout, named."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     start = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "bnrewrite", "run", "--backend", "collective", "--timeout", "5",
-                          os.path.join(SCRIPTS, "dead_member.py")], env=env, capture_output=True, text=True, timeout=150)
+    run = zygote.run([sys.executable, "-m", "bnrewrite", "run", "--backend", "collective", "--timeout", "5",
+                      os.path.join(SCRIPTS, "dead_member.py")], env=env, capture_output=True, text=True, timeout=150)
     assert run.returncode == STOPPED, run.stderr[-3000:]
     assert "step 1 " in run.stdout and "returned after" not in run.stdout, run.stdout
     [line] = _stop_lines(run.stderr)

@@ -16,11 +16,12 @@ import bnrewrite
 from bnrewrite import BackendError
 from bnrewrite.rewrite import selfcheck
 from bnrewrite.rewrite.selfcheck import CASES
+import zygote
 
 
 def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bnrewrite", "check", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return zygote.run([sys.executable, "-m", "bnrewrite", "check", *args], capture_output=True, text=True,
+                      timeout=timeout)
 
 
 def test_check_passes_on_virtual_cpus_and_skips_nccl():
