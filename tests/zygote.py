@@ -10,9 +10,13 @@ Invariants:
   behaves as a cold `python ARGV` with that env: sys.argv, sys.path (path[0], PYTHONPATH, site),
   a fresh __main__, fresh-python signal dispositions and an empty signal mask, python's exit
   codes and messages (SystemExit, uncaught exception -> excepthook + 1, KeyboardInterrupt ->
-  killed by SIGINT), threads joined, atexit run and stdio flushed at exit. The differences (what
-  was imported, the hash seed, the parent pid) are listed in docs/testing.md... see README of
-  tests: `IMPORT_PREFIXES` below and tests/test_zygote.py.
+  killed by SIGINT), threads joined, atexit run and stdio flushed at exit. What differs: the
+  modules already imported (never use it for a test about import time: a command that must not
+  import TensorFlow, `bnrewrite run` patching TensorFlow when the script imports it), the hash
+  seed (one per zygote), the parent pid (the zygote's), the preloaded objects frozen out of gc,
+  and bnrewrite's command line leaving fd 2 alone (TensorFlow is imported: its native log lines
+  under TF_CPP_MIN_LOG_LEVEL < 3 reach stderr); `random` and numpy's global generator are seeded
+  afresh, as in a new process.
 - A zygote is used only when the child's env agrees with the zygote's on everything read at
   import time (`IMPORT_PREFIXES`, `IMPORT_NAMES` and every variable Python code read during the
   zygote's imports) and the child's sys.path finds the preloaded top-level packages where the
@@ -141,6 +145,7 @@ def _zygote_for(env: dict) -> Optional[_Zygote]:
         return None
     try:
         zygote = _Zygote(env)
+        _log("zygote", [sys.executable, str(zygote.process.pid)])
     except OSError as error:
         _failed.append(env)
         _say_cold(str(error))
@@ -250,11 +255,21 @@ def spawn(args: list, **kwargs: Any) -> subprocess.Popen:
             _say_cold(f"{shadow} would be imported from elsewhere")
         elif zygote:
             try:
-                return ForkedPopen(zygote, argv, **kwargs)
+                process = ForkedPopen(zygote, argv, **kwargs)
+                _log("forked", argv)
+                return process
             except OSError as error:
                 _zygotes.remove(zygote)
                 _say_cold(f"the zygote failed: {error}")
+    _log("cold", argv)
     return subprocess.Popen(args, **kwargs)
+
+
+def _log(how: str, argv: list[str]) -> None:
+    """One line per child to $BNREWRITE_TEST_ZYGOTE_LOG when set (counting forks and imports)."""
+    if os.environ.get("BNREWRITE_TEST_ZYGOTE_LOG"):
+        with open(os.environ["BNREWRITE_TEST_ZYGOTE_LOG"], "a", encoding="utf-8") as log:
+            print(how, os.getpid(), *argv[1:4], file=log)
 
 
 def run(args: list, *, input: Any = None, capture_output: bool = False, timeout: Optional[float] = None,
