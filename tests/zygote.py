@@ -269,7 +269,7 @@ def _log(how: str, argv: list[str]) -> None:
     """One line per child to $BNREWRITE_TEST_ZYGOTE_LOG when set (counting forks and imports)."""
     if os.environ.get("BNREWRITE_TEST_ZYGOTE_LOG"):
         with open(os.environ["BNREWRITE_TEST_ZYGOTE_LOG"], "a", encoding="utf-8") as log:
-            print(how, os.getpid(), *argv[1:4], file=log)
+            print(how, os.getpid(), *(arg[:80].replace("\n", " ") for arg in argv[1:4]), file=log)
 
 
 def run(args: list, *, input: Any = None, capture_output: bool = False, timeout: Optional[float] = None,
