@@ -540,12 +540,19 @@ def _serve(fd: int) -> None:
     """The zygote's main: import, say ready (what it read and found), serve until EOF."""
     base_path = sys.path[1:] if not sys.flags.safe_path else list(sys.path)
     sock = socket.socket(fileno=fd)
+    saved = os.dup(2)  # TensorFlow's import-time log lines (a cold child's, captured) off the terminal
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
     try:
         reads, origins = _preload()
     except BaseException as error:  # noqa: B902 - reported to the client, which goes cold
+        os.dup2(saved, 2)
         print(f"zygote: import failed: {error!r}", file=sys.stderr)
         sock.send(b"null")
         return
+    os.dup2(saved, 2)
+    os.close(saved)
     import gc
 
     gc.collect()
