@@ -131,3 +131,10 @@ def pytest_collection_modifyitems(config, items):
         if module in SLOW_MODULES or name.startswith(SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: _rank(_name(item), item.path.name))
+
+
+def pytest_unconfigure(config):
+    """Stop the fork servers (tests/zygote.py) this process started: it reaps them, so their
+    CPU time and their children's count in this process tree."""
+    if "zygote" in sys.modules:
+        sys.modules["zygote"].stop_all()

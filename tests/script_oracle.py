@@ -17,6 +17,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
 from oracle_cli import CASE  # noqa: E402
+import zygote
 #: Below these a difference is rounding whatever the floor (float32: tens of ulps; float16: ten ulps).
 ROUNDING = {"float16": 1e-2}
 
@@ -79,8 +80,8 @@ def run_both(script: str, directory, cases: tuple[str, ...], run_options: tuple[
         os.makedirs(os.path.join(directory, name))
     common = dict(cwd=str(directory), env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                   stdin=subprocess.DEVNULL)
-    run = subprocess.Popen([sys.executable, "-m", "bnrewrite", "run", *run_options, script, "run", *cases], **common)
-    ref = subprocess.Popen([sys.executable, script, "ref", *cases, "--reference"], **common)
+    run = zygote.spawn([sys.executable, "-m", "bnrewrite", "run", *run_options, script, "run", *cases], **common)
+    ref = zygote.spawn([sys.executable, script, "ref", *cases, "--reference"], **common)
     _, run_err = run.communicate(timeout=900)
     _, ref_err = ref.communicate(timeout=900)
     assert ref.returncode == 0, ref_err[-3000:]

@@ -23,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 sys.path.insert(0, SCRIPTS)
 import collective_worker as cw  # noqa: E402
+import zygote  # noqa: E402
 
 STOPPED = 13  # StepTimeoutError
 
@@ -39,8 +40,8 @@ def test_a_tower_whose_member_never_runs_stops_the_script_with_one_line():
     """Two steps train; then tower 0's loss is fetched alone: stopped at --timeout, named."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     start = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "bnrewrite", "run", "--backend", "collective", "--timeout", "5",
-                          os.path.join(SCRIPTS, "dead_member.py")], env=env, capture_output=True, text=True, timeout=150)
+    run = zygote.run([sys.executable, "-m", "bnrewrite", "run", "--backend", "collective", "--timeout", "5",
+                      os.path.join(SCRIPTS, "dead_member.py")], env=env, capture_output=True, text=True, timeout=150)
     assert run.returncode == STOPPED, run.stderr[-3000:]
     assert "step 1 " in run.stdout and "returned after" not in run.stdout, run.stdout
     [line] = _stop_lines(run.stderr)
@@ -62,13 +63,15 @@ def _assert_stopped_alone(run: subprocess.CompletedProcess, task: int) -> None:
 
 def test_a_lone_follower_stops_at_its_start_bound_with_one_line(tmp_path):
     """Only worker 1 starts: TensorFlow would retry the leader forever."""
-    _assert_stopped_alone(cw.launch(str(tmp_path), {1: _worker(1, None, "--timeout", "3", "--start-timeout", "8")})[1], 1)
+    runs = cw.launch(str(tmp_path), {1: _worker(1, None, "--timeout", "3", "--start-timeout", "8")}, popen=zygote.spawn)
+    _assert_stopped_alone(runs[1], 1)
 
 
 def test_a_worker_given_another_workers_task_index_is_named_and_the_lone_leader_stops(tmp_path):
     """Both workers told --task-index 0: worker 1's is refused before its first step, naming it;
     worker 0, the leader left alone, stops at its start bound with one line."""
-    runs = cw.launch(str(tmp_path), {t: _worker(t, 0, "--timeout", "3", "--start-timeout", "8") for t in (0, 1)})
+    runs = cw.launch(str(tmp_path), {t: _worker(t, 0, "--timeout", "3", "--start-timeout", "8") for t in (0, 1)},
+                     popen=zygote.spawn)
     assert runs[1].returncode == 1, runs[1].stdout[-3000:]
     [line] = _stop_lines(runs[1].stdout)
     assert "task_index=0 does not fit this worker: its towers run on /job:worker/replica:0/task:1/device:CPU:0" in line
@@ -78,7 +81,8 @@ def test_a_worker_given_another_workers_task_index_is_named_and_the_lone_leader_
 def test_workers_started_apart_wait_for_each_other_and_train_like_one_device(tmp_path):
     """Worker 1 starts 8 s after worker 0, under --timeout 3: the first meeting waits for it."""
     steps = 5
-    runs = cw.launch(str(tmp_path), {t: _worker(t, None, "--timeout", "3") for t in (0, 1)}, delays={1: 8.0})
+    runs = cw.launch(str(tmp_path), {t: _worker(t, None, "--timeout", "3") for t in (0, 1)}, delays={1: 8.0},
+                     popen=zygote.spawn)
     for run in runs.values():
         assert run.returncode == 0, run.stdout[-3000:]
     got = [dict(np.load(tmp_path / f"worker{t}.npz")) for t in (0, 1)]

@@ -22,6 +22,7 @@ import tensorflow as tf
 from bnrewrite import TowerMismatchError, rewrite_graph
 from bnrewrite.cli import main
 from script_oracle import ROOT, judge, lines_by_case, run_both
+import zygote
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "keras_towers.py")
 SMALL = ("functional", "learning_phase", "cond_v1", "set_learning_phase", "update_ops", "sequential", "unfused",
@@ -213,8 +214,8 @@ def test_the_keras_example_trains_like_one_device(tmp_path):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT}
     argv = {name: f"--num_gpus {k} --batch_size {8 // k} --weights {tmp_path / name / 'weights'}"
             for name, k in (("run", 2), ("one", 1), ("towers", 2))}
-    runs = {name: subprocess.Popen(command, cwd=str(tmp_path), env=env, text=True, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    runs = {name: zygote.spawn(command, cwd=str(tmp_path), env=env, text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
             for name, command in (("run", [sys.executable, "-m", "bnrewrite", "run", example, *argv["run"].split()]),
                                   ("references", [sys.executable, "-c", _EACH, example, argv["one"], argv["towers"]]))}
     for name, process in runs.items():

@@ -24,6 +24,7 @@ SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, SCRIPTS)
 import collective_worker as cw  # noqa: E402
 import mwms_worker  # noqa: E402
+import zygote  # noqa: E402
 
 SPEC = Spec(towers=4, batch=4)  # the global job: 2 workers x 2 towers x 4 examples
 COND_V2 = ("legacy_cond_v2", "moments_cond_v2")
@@ -127,7 +128,8 @@ def test_a_multi_worker_mirrored_strategy_cluster_trains_like_one_device(tmp_pat
     for name, tasks in (("synced", {t: ["--workers", "2", "--task-index", str(t)] for t in (0, 1)}),
                         ("plain", {0: None, 1: None})):
         (tmp_path / name).mkdir()
-        runs = cw.launch(str(tmp_path / name), tasks, deadline=240.0, script=os.path.join(SCRIPTS, "mwms_worker.py"))
+        runs = cw.launch(str(tmp_path / name), tasks, deadline=240.0, script=os.path.join(SCRIPTS, "mwms_worker.py"),
+                         popen=zygote.spawn)
         for task, run in runs.items():
             assert run.returncode == 0, f"{name} worker {task}:\n{run.stdout[-3000:]}"
         results[name] = [dict(np.load(tmp_path / name / f"worker{t}.npz")) for t in (0, 1)]

@@ -29,6 +29,7 @@ import tensorflow as tf  # noqa: E402
 import bnrewrite  # noqa: E402
 from bnrewrite import rewrite_graph  # noqa: E402
 from bnrewrite.cli import main  # noqa: E402
+import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "one_device_cases.py")
@@ -70,8 +71,8 @@ def both(tmp_path_factory) -> tuple[str, dict[str, np.ndarray], dict[str, np.nda
     """The script under python and under `bnrewrite run`, side by side (each its own fresh process):
     run's stderr, python's variables, run's variables."""
     tmp = tmp_path_factory.mktemp("one_device")
-    started = {name: subprocess.Popen([sys.executable, *head, SCRIPT, str(tmp / f"{name}.npz")], cwd=str(tmp), env=ENV,
-                                      text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    started = {name: zygote.spawn([sys.executable, *head, SCRIPT, str(tmp / f"{name}.npz")], cwd=str(tmp), env=ENV,
+                                  text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
                for name, head in (("plain", []), ("run", ["-m", "bnrewrite", "run"]))}
     errors = {name: process.communicate(timeout=600)[1] for name, process in started.items()}
     for name, process in started.items():

@@ -22,6 +22,7 @@ import tensorflow as tf  # noqa: E402
 
 from bnrewrite import TowerMismatchError, rewrite_graph  # noqa: E402
 from script_oracle import ROOT, judge, run_both  # noqa: E402
+import zygote
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "partial_steps.py")
 CASES = ("layers", "moments", "keras_phase", "late")
@@ -33,8 +34,8 @@ def test_a_step_training_one_tower_trains_as_python_beside_the_synchronized_step
     for case in CASES:
         print(judge(case, str(tmp_path)))
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT}
-    subprocess.run([sys.executable, SCRIPT, "--replay", str(tmp_path / "run"), str(tmp_path), *CASES], env=env,
-                   check=True, timeout=600, stdin=subprocess.DEVNULL, capture_output=True)
+    zygote.run([sys.executable, SCRIPT, "--replay", str(tmp_path / "run"), str(tmp_path), *CASES], env=env,
+               check=True, timeout=600, stdin=subprocess.DEVNULL, capture_output=True)
     for case in CASES:
         with np.load(tmp_path / f"{case}.npz") as python, np.load(tmp_path / "run" / f"{case}.npz") as run:
             assert python.files and not [k for k in python.files if not np.array_equal(python[k], run[k])], case

@@ -29,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "ps_cluster.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))
 from ps_cluster import as_built_here, launch, reference  # noqa: E402
+import zygote  # noqa: E402
 
 
 @functools.cache
@@ -60,7 +61,7 @@ def test_a_ps_cluster_trains_like_one_process_fed_both_workers(tmp_path, layout,
     under --timeout 30 failed at step 0 on both workers, start-up skew): the first meeting waits
     for it. 120 steps: collectives across these workers crashed them within a few dozen steps
     ('Cleanup <step id>'). The cluster as built trains 2 steps, which already miss the reference."""
-    synced = launch(str(tmp_path), layout, steps, True, towers, plain=unscoped, ps_here=True,
+    synced = launch(str(tmp_path), layout, steps, True, towers, plain=unscoped, ps_here=True, popen=zygote.spawn,
                     **({"timeout": "3", "gap": gap} if gap else {}))
     reference = _reference(towers, 1.0, unscoped, steps)
     floor = _errors(_reference(towers, 1.0 + 1e-7, unscoped, steps), reference)
@@ -84,7 +85,7 @@ def test_a_lone_ps_worker_stops_at_its_start_bound_with_one_line(tmp_path):
     """Queues have no time-out: run bounds the first step that meets by --start-timeout."""
     start = time.monotonic()
     runs = launch(str(tmp_path), "replicated", 2, True, tasks=(0,), timeout="4", start_timeout="8", deadline=90.0,
-                  ps_here=True)
+                  ps_here=True, popen=zygote.spawn)
     assert time.monotonic() - start < 60
     assert runs[0].returncode == 13, runs[0].stdout[-3000:]
     [line] = [line for line in runs[0].stdout.splitlines() if line.startswith("bnrewrite: error:")]

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from bnrewrite.cli import main
 from model_files import tree_snapshot
+import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
@@ -29,8 +30,9 @@ K, B = 2, 2
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT}
 
 
-def _start(args: list[str], cwd: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=ENV, text=True, stdout=subprocess.PIPE,
+def _start(args: list[str], cwd: str, fork: bool = False, **kwargs) -> subprocess.Popen:
+    """`python ARGS` in `cwd`, output piped; `fork`: by the zygote (for children that import TensorFlow)."""
+    return (zygote.spawn if fork else subprocess.Popen)([sys.executable, *args], cwd=cwd, env=ENV, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, **kwargs)
 
 
@@ -55,14 +57,14 @@ def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("run"))
     started = {
         # one device, the towers as built, and in_place_train.py (rewrite_graph in the script)
-        "references": _start([os.path.join(SCRIPTS, "reference_runs.py"), out, str(K), str(B)], out),
+        "references": _start([os.path.join(SCRIPTS, "reference_runs.py"), out, str(K), str(B)], out, fork=True),
         "three": _start(["-m", "bnrewrite", "run", "--verify", "--report", "three.json",
                          os.path.join(SCRIPTS, "three_trainers.py"),
-                         "--num_gpus", str(K), "--batch_size", str(B), "--train_dir", "three"], out),
+                         "--num_gpus", str(K), "--batch_size", str(B), "--train_dir", "three"], out, fork=True),
         "slim": _start(["-m", "bnrewrite", "run", os.path.join(SCRIPTS, "slim_train.py"), "--num_clones", str(K),
-                        "--batch_size", str(B), "--train_dir", "slim"], out),
+                        "--batch_size", str(B), "--train_dir", "slim"], out, fork=True),
         "threads": _start(["-m", "bnrewrite", "run", "--verify", os.path.join(SCRIPTS, "summary_threads.py"),
-                           os.path.join(out, "synced"), str(K * B), str(K)], out),
+                           os.path.join(out, "synced"), str(K * B), str(K)], out, fork=True),
     }
     done = {name: _finish(process) for name, process in started.items()}
     for name, result in done.items():
@@ -125,7 +127,7 @@ def test_summary_threads_trainers_under_verify_train_like_one_device(runs):
 
 def test_refused_graph_stops_the_script_before_its_first_step(tmp_path):
     refused = _finish(_start(["-m", "bnrewrite", "run", os.path.join(SCRIPTS, "independent_train.py"), "--train_dir",
-                              "refused"], str(tmp_path)))
+                              "refused"], str(tmp_path), fork=True))
     assert refused.returncode == 6, refused.stderr[-2000:]
     lines = [line for line in refused.stderr.splitlines() if line.startswith("bnrewrite:")]
     assert len(lines) == 1 and "train independent models" in lines[0] and "refused" in lines[0]

@@ -7,6 +7,7 @@ after it still run.
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -16,11 +17,14 @@ import bnrewrite
 from bnrewrite import BackendError
 from bnrewrite.rewrite import selfcheck
 from bnrewrite.rewrite.selfcheck import CASES
+import zygote
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bnrewrite", "check", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return zygote.run([sys.executable, "-m", "bnrewrite", "check", *args], capture_output=True, text=True,
+                      timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT})
 
 
 def test_check_passes_on_virtual_cpus_and_skips_nccl():

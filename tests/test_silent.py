@@ -23,6 +23,7 @@ import tensorflow as tf
 import bnrewrite
 from bnrewrite import UnsyncedLayerError
 from bnrewrite.cli import main
+import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
@@ -45,7 +46,7 @@ def _error(got: dict, expected: dict) -> float:
 
 
 def test_run_synchronizes_every_case_that_trained_unsynchronized_in_silence(tmp_path):
-    process = subprocess.Popen(
+    process = zygote.spawn(
         [sys.executable, "-m", "bnrewrite", "run", os.path.join(ROOT, "tests", "scripts", "silent_cases.py"), "out.npz",
          "--towers", str(K), "--batch", str(B)], cwd=str(tmp_path), text=True, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT})

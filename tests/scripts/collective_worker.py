@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,11 +32,13 @@ SPEC = tm.Spec(towers=4, batch=4)  # the global job: 2 workers x 2 towers x 4 ex
 
 
 def launch(out: str, tasks: dict[int, list[str] | None], delays: dict[int, float] | None = None,
-           deadline: float = 150.0, script: str = __file__) -> dict[int, subprocess.CompletedProcess]:
+           deadline: float = 150.0, script: str = __file__, popen: Callable = subprocess.Popen,
+           ) -> dict[int, subprocess.CompletedProcess]:
     """Start `script` (this one; it takes --task I --hosts JSON --out DIR) for each task of `tasks`
     (task -> bnrewrite run's options, e.g. ["--workers", "2", "--task-index", "0", "--timeout", "5"];
     None: under plain python) after its delay, on fresh loopback ports; wait at most `deadline` s,
-    kill what is left by its own id. Exit codes, output, seconds."""
+    kill what is left by its own id (`popen`: how a process starts; the tests' zygote.spawn). Exit
+    codes, output, seconds."""
     hosts = json.dumps([f"127.0.0.1:{port}" for port in mw.free_ports(2)])
     env = dict(os.environ, PYTHONPATH=ROOT)
     started, start = {}, time.monotonic()
@@ -43,7 +46,7 @@ def launch(out: str, tasks: dict[int, list[str] | None], delays: dict[int, float
         for task, options in sorted(tasks.items(), key=lambda item: (delays or {}).get(item[0], 0.0)):
             time.sleep(max(0.0, start + (delays or {}).get(task, 0.0) - time.monotonic()))
             head = [sys.executable] if options is None else [sys.executable, "-m", "bnrewrite", "run", *options]
-            started[task] = (subprocess.Popen(
+            started[task] = (popen(
                 [*head, os.path.abspath(script), "--task", str(task), "--hosts", hosts, "--out", out], env=env,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), time.monotonic())
         done = {}

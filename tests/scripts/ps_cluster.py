@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Callable
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -227,12 +228,14 @@ def _free_ports(n: int) -> list[int]:
 
 def launch(out: str, layout: str, steps: int, synced: bool, towers: int = 1, tasks=(0, 1),
            timeout: str = "60", deadline: float = 240.0, plain: bool = False, start_timeout: str | None = None,
-           gap: float = 0.0, ps_here: bool = False) -> dict[int, subprocess.CompletedProcess]:
+           gap: float = 0.0, ps_here: bool = False, popen: Callable = subprocess.Popen,
+           ) -> dict[int, subprocess.CompletedProcess]:
     """Start a ps running this script (`ps_here`: a server of the caller's process, left idle
     after) and its workers `tasks` of 2 (under `bnrewrite run --workers 2 --timeout T
     [--start-timeout S]` when `synced`; `plain`: the one-tower script without scopes), each `gap` s
     after the one before, wait for the workers (at most `deadline` s), stop every process this
-    started by its own id; the workers' exit codes and output."""
+    started by its own id (`popen`: how a process starts; the tests' zygote.spawn); the workers'
+    exit codes and output."""
     ps_port, *worker_ports = _free_ports(3)
     hosts = json.dumps({"ps": [f"127.0.0.1:{ps_port}"], "worker": [f"127.0.0.1:{p}" for p in worker_ports]})
     common = ["--hosts", hosts, "--layout", layout, "--steps", str(steps), "--out", out, "--towers", str(towers),
@@ -244,8 +247,8 @@ def launch(out: str, layout: str, steps: int, synced: bool, towers: int = 1, tas
         tf.distribute.Server(tf.train.ClusterSpec(json.loads(hosts)), job_name="ps", task_index=0,
                              config=_config(parse(["--job", "ps", "--towers", str(towers)]), 0, False))
     else:
-        started.append(subprocess.Popen([sys.executable, script, "--job", "ps", *common], env=env,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        started.append(popen([sys.executable, script, "--job", "ps", *common], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     workers = {}
     try:
         for task in tasks:
@@ -255,8 +258,8 @@ def launch(out: str, layout: str, steps: int, synced: bool, towers: int = 1, tas
             if synced:
                 run += ["-m", "bnrewrite", "run", "--workers", "2", "--task-index", str(task), "--timeout", timeout,
                         *(["--start-timeout", start_timeout] if start_timeout else [])]
-            workers[task] = subprocess.Popen([*run, script, "--job", "worker", "--task", str(task), *common], env=env,
-                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            workers[task] = popen([*run, script, "--job", "worker", "--task", str(task), *common], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             started.append(workers[task])
         end, done = time.monotonic() + deadline, {}
         for task, process in workers.items():
