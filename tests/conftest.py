@@ -5,6 +5,7 @@ examples/demo.py); tests import it through tests/models.py.
 """
 
 import os
+import pathlib
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported
@@ -44,6 +45,7 @@ SLOW_MODULES = frozenset({
     "test_bench_variants.py", "test_bounded_steps.py", "test_harness.py", "test_mirrored.py", "test_multi_worker.py",
     "test_replicated.py", "test_residual.py", "test_selfcheck.py", "test_tower_shapes.py", "test_trainers.py",
     "test_unfused_and_cond.py", "test_scaling.py", "test_layer_nodes.py", "test_fuzz.py",
+    "test_zygote.py",  # the fork server's own tests: its zygote imports TensorFlow (~13 CPU-s); no fast test forks
     # sampled: FAST keeps one case or a few of each
     "test_oracle.py", "test_nccl_on_cpu.py", "test_live.py", "test_silent.py", "test_applications.py",
     "test_keras_towers.py", "test_handles.py", "test_local_backend.py", "test_moments_axes.py", "test_fused_math.py",
@@ -57,6 +59,7 @@ SLOW_TESTS = (
     "test_cli.py::test_help_has_examples", "test_cli.py::test_usage_errors_are_one_line", "test_cli.py::test_readme_",
     "test_cli.py::test_convert_to_nccl_", "test_cli.py::test_tf2_", "test_cli.py::test_inference_batch_norm_in_a_tf_",
     "test_cli.py::test_diff_names_the_layer_of_hand_written_updates",
+    # NCCL structure, v2 branches, in place per layer form, a pairwise sweep, shapes and lineup trained or swept
     "test_api.py::test_nccl_structure_on_gpu_towers", "test_api.py::test_inference_batch_norm_in_v2_branches",
     "test_api.py::test_in_place_gives_the_same_graph_in_the_input_order",
     "test_graph.py::test_ancestors_among_answers_depends_on_for_every_pair",
@@ -148,8 +151,7 @@ FAST = (
     "test_one_device.py::test_enable_and_in_place_leave_them_as_python_runs_them[in_place-named_layers]",
     "test_one_device.py::test_value_free_walk_ends_on_a_loop", "test_one_device.py::test_applications_chained_",
 )
-
-
+#: The SLOW_MODULES that FAST samples: collected under -m "not slow" (the others are not).
 _SAMPLED = frozenset(prefix.split("::", 1)[0] for prefix in FAST)
 
 #: The costliest tests and files first, in this order (CPU-seconds: docs/performance.md):
@@ -181,9 +183,9 @@ def _name(item: pytest.Item) -> str:
     return f"{item.path.name}::{item.nodeid.split('::', 1)[1]}"
 
 
-def pytest_ignore_collect(collection_path, config):
+def pytest_ignore_collect(collection_path: pathlib.Path, config: pytest.Config) -> bool | None:
     """With -m "not slow", the modules FAST keeps nothing of are not even imported: their imports
-    and assertion rewriting cost every xdist worker about 2 CPU-s."""
+    and assertion rewriting cost every xdist worker about 1 CPU-s."""
     if config.getoption("markexpr") == "not slow" and collection_path.name in SLOW_MODULES - _SAMPLED:
         return True
     return None
