@@ -95,31 +95,31 @@ def test_run_leaves_one_device_programs_as_python_runs_them(both):
     _assert_as_python(run, plain)
 
 
-def test_enable_and_in_place_leave_them_as_python_runs_them(capsys, monkeypatch):
-    """In process, against the same cases trained in this process without bnrewrite (a process
-    that ran other tests may round differently from a fresh python)."""
+@pytest.mark.parametrize("how, name", [*(("enable", name) for name in ("two_plain_layers", "siamese", "mean_teacher")),
+                                       *(("in_place", name) for name in ("named_layers", "two_streams", "encoder_decoder"))])
+def test_enable_and_in_place_leave_them_as_python_runs_them(capsys, monkeypatch, how: str, name: str):
+    """In process, against the same case trained in this process without bnrewrite (a process
+    that ran other tests may round differently from a fresh python): under `enable()`, or with
+    the script's `rewrite_graph(g, in_place=True)` just before its session."""
     cases = _cases()
-    names = ["two_plain_layers", "siamese", "mean_teacher"]
-    plain = _train(cases, names)
-    with bnrewrite.enabled():
-        got = _train(cases, names)
-    lines = capsys.readouterr().err.splitlines()
-    assert [why in line for line, why in zip(lines, (WHY[n] for n in names))] == [True] * len(names), lines
-    _assert_as_python(got, plain)
+    plain = _train(cases, [name])
+    if how == "enable":
+        with bnrewrite.enabled():
+            got = _train(cases, [name])
+        lines = capsys.readouterr().err.splitlines()
+        assert lines and WHY[name] in lines[0], lines
+    else:
+        results = []
+        real_session = tf.compat.v1.Session
 
-    names = ["named_layers", "two_streams", "encoder_decoder"]
-    plain = _train(cases, names)
-    results = []
-    real_session = tf.compat.v1.Session
+        def in_place_then_session(*args, **kwargs):
+            results.append(rewrite_graph(tf.compat.v1.get_default_graph(), in_place=True))
+            return real_session(*args, **kwargs)
 
-    def in_place_then_session(*args, **kwargs):  # the script's rewrite_graph call, just before its session
-        results.append(rewrite_graph(tf.compat.v1.get_default_graph(), in_place=True))
-        return real_session(*args, **kwargs)
-
-    monkeypatch.setattr(tf.compat.v1, "Session", in_place_then_session)
-    got = _train(cases, names)
-    assert [WHY[n] in r.report.unchanged for r, n in zip(results, names)] == [True] * len(names)
-    assert all(r.report.text().startswith("bnrewrite: runs unchanged: ") for r in results)
+        monkeypatch.setattr(tf.compat.v1, "Session", in_place_then_session)
+        got = _train(cases, [name])
+        (result,) = results
+        assert WHY[name] in result.report.unchanged and result.report.text().startswith("bnrewrite: runs unchanged: ")
     _assert_as_python(got, plain)
 
 
