@@ -5,10 +5,11 @@ tower by one all-reduce. Channels last (float32, float16): an inference-mode Fus
 gives scale * rstd * dy and the local sums, an inference-mode FusedBatchNormV3 the correction;
 else elementwise passes. Why: the fewest nodes and launches (docs/performance.md). N is a
 constant when static, else the all-reduce carries the counts; what reads only the all-reduce and
-the global moments is built once per layer under the local backend (Builder.once). Invariant: the gradient op becomes
-an IdentityN of its name; d(scale), d(offset) stay tower-local; every op added here that reads
-the scale runs before d(scale) by data edges (a reference variable's read aliases the buffer its
-update writes in place, and Grappler drops control edges: tests/test_variable_reads.py).
+the global moments is built once per layer under the local backend (Builder.once). Invariant:
+the gradient op becomes an IdentityN of its name; d(scale), d(offset) stay tower-local; every
+op added here that reads the scale runs before d(scale) by data edges (a reference variable's
+read aliases the buffer its update writes in place, and Grappler drops control edges:
+tests/test_variable_reads.py).
 """
 
 from __future__ import annotations
