@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 from tensorflow.core.framework import attr_value_pb2, node_def_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
 from bnrewrite.graph.edit import Editor
+
+R = TypeVar("R")
 
 DT_FLOAT = types_pb2.DT_FLOAT
 DT_DOUBLE = types_pb2.DT_DOUBLE
@@ -73,12 +75,13 @@ ConstPool = dict[tuple[str, str, tuple[str, tuple[int, ...], bytes]], str]
 @dataclass
 class Shared:
     """What the builders of one pass share: its constants, the sum node of each local
-    all-reduce (its shared name -> the AddN every member adds its input to), and each layer's
-    static counts ((layer, phase) -> tower -> (its count, its sync group's), see
-    bnrewrite.rewrite.passes.sites.static_counts)."""
+    all-reduce (its shared name -> the AddN every member adds its input to), what `Builder.once`
+    built, and each layer's static counts ((layer, phase) -> tower -> (its count, its sync
+    group's), see bnrewrite.rewrite.passes.sites.static_counts)."""
 
     consts: ConstPool = field(default_factory=dict)
     sums: dict[str, str] = field(default_factory=dict)
+    built: dict[tuple[str, ...], Any] = field(default_factory=dict)
     counts: dict[tuple[int, int], dict[str, tuple[int | None, tuple[int, ...] | None]]] = field(default_factory=dict)
 
 
@@ -113,6 +116,15 @@ class Builder:
     def on(self, device: str) -> "Builder":
         """A builder of the same scope and layer that places its nodes on `device`."""
         return Builder(self.editor, self.scope, device, self.layer, self.shared)
+
+    def once(self, key: tuple[str, ...], make: Callable[[], R]) -> R:
+        """make() the first time this pass asks for `key` (a purpose and every tensor make reads),
+        else that first result. Towers that read the same tensors (the local backend's one sum,
+        and what derives from it) so share one copy, built by the first on its device; towers
+        of other backends read tensors of their own and each build theirs."""
+        if key not in self.shared.built:
+            self.shared.built[key] = make()
+        return self.shared.built[key]
 
     def node(self, op: str, name: str, inputs: Sequence[str], **attrs: object) -> str:
         """Add a node; returns its name (which is also its output-0 tensor)."""

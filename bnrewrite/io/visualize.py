@@ -25,7 +25,8 @@ from typing import Any
 from bnrewrite.errors import BnRewriteError, OutputError
 
 MARK = "_bnrewrite"  # = bnrewrite.graph.nodes.MARK (not imported: that module imports TensorFlow)
-INSTANCE_ATTR = "_bnrewrite_instance"  # = bnrewrite.rewrite.collectives: on each tower's all-reduce (NCCL, collective, local)
+INSTANCE_ATTR = "_bnrewrite_instance"  # = bnrewrite.rewrite.collectives: on each tower's all-reduce (NCCL, collective, ps), on a local sum
+QUEUES_ATTR = "_bnrewrite_queues"  # = bnrewrite.rewrite.collectives: on each "ps" member (an AddN too)
 _TEXT = frozenset({".dot", ".gv"})
 _RENDERED = {".svg": "svg", ".png": "png", ".pdf": "pdf"}
 # The graphviz-pure dependency (a static port of Graphviz's dot) renders these without a system Graphviz.
@@ -122,7 +123,7 @@ def diff_entries(a: Any, b: Any) -> dict[str, Any]:
         layer = marks_b[name]
         if layer:
             rows[layer]["added"] += 1
-            rows[layer]["collectives"] += INSTANCE_ATTR in nodes_b[name].attr
+            rows[layer]["collectives"] += _members(nodes_b[name])
         else:
             other["added"] += 1
     for name in changed:
@@ -289,6 +290,13 @@ def layer_dot(before: Any, after: Any, report: Any, layer: str) -> str:
         "}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _members(node: Any) -> int:
+    """How many towers' all-reduces `node` is: every member's for a local sum, one for another's."""
+    if INSTANCE_ATTR not in node.attr:
+        return 0
+    return node.attr["N"].i if node.op == "AddN" and QUEUES_ATTR not in node.attr else 1
 
 
 def _peer_edges(nodes: dict[str, Any], names: list[str]) -> list[str]:

@@ -7,10 +7,10 @@ Every all-reduce belongs to a sync group (a set of towers; its `group_key`) and 
 `shared_name` and the collective runtime's keys both identify it.
 
 "local" sums the members' inputs with one AddN on the first member's device, which every
-member reads through an Identity of its own: the graph sees every tower, so it need not
-meet them by keys, which costs several times more per all-reduce (docs/performance.md). It
-cannot reach into function bodies (control flow v2 branches) or other workers: those need the
-rendezvous by keys that NCCL and the collective runtime provide.
+member reads: the graph sees every tower, so it need not meet them by keys, which costs several
+times more per all-reduce (docs/performance.md). What depends on the sum alone is then built
+once too (`Builder.once`). It cannot reach into function bodies (control flow v2 branches) or
+other workers: those need the rendezvous by keys that NCCL and the collective runtime provide.
 """
 
 from __future__ import annotations
@@ -170,16 +170,17 @@ def all_reduce(builder: Builder, name: str, tensor: str, dtype: int, key: Collec
 
 
 def _local_sum(builder: Builder, name: str, tensor: str, dtype: int, key: Collective) -> str:
-    """The first member creates the AddN on its device; the others add their input to it."""
+    """The first member creates the AddN on its device; the others add their input to it. Every
+    member gets the AddN itself, so that what is built from it can be shared (`Builder.once`)."""
     total = builder.shared.sums.get(key.shared_name)
     if total is None:
-        total = builder.node("AddN", f"{name}/sum", [tensor], T=DType(dtype), N=1)
+        total = builder.node("AddN", f"{name}/sum", [tensor], T=DType(dtype), N=1, **{INSTANCE_ATTR: key.instance_key})
         builder.shared.sums[key.shared_name] = total
     else:
         node = builder.editor.mutable(total)
         node.input.append(tensor)
         node.attr["N"].i = len(node.input)
-    return builder.node("Identity", name, [total], T=DType(dtype), **{INSTANCE_ATTR: key.instance_key})
+    return total
 
 
 def _through_queues(builder: Builder, name: str, tensor: str, dtype: int, key: Collective) -> str:

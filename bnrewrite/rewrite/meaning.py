@@ -154,7 +154,7 @@ def _check_all_reduces(graph: Graph, steps: list[str], workers: int) -> None:
     for node in graph:
         if INSTANCE_ATTR in node.attr and not in_body(node.name):
             key, size = _group(graph, node)
-            groups.setdefault(key, []).append(node.name)
+            groups.setdefault(key, []).extend(_members(graph, node))
             sizes.setdefault(key, set()).add(size)
     _fail_if("every all-reduce has one member per tower of its group", [
         f"{key} has {len(groups[key])} member(s) here, for a group of {' or '.join(map(str, sorted(sizes[key])))} "
@@ -173,17 +173,21 @@ def _check_all_reduces(graph: Graph, steps: list[str], workers: int) -> None:
 
 
 def _group(graph: Graph, node: NodeDef) -> tuple[str, int]:
-    """The all-reduce a member belongs to (NCCL's shared name, the sum a local member reads, a
-    collective's group and instance keys, a "ps" member's queues) and how many members it has over all workers."""
+    """The all-reduce a member belongs to (NCCL's shared name, a collective's group and instance
+    keys, a "ps" member's queues, a local sum's own name) and how many members it has over all workers."""
     if node.op == "NcclAllReduce":
         return node.attr["shared_name"].s.decode(), node.attr["num_devices"].i
     if node.op == "CollectiveReduceV2":
         size, group = (graph.node(graph.producer(node.name, slot)[0]).attr["value"].tensor.int_val[0] for slot in (1, 2))
         return f"collective group {group} instance {node.attr[INSTANCE_ATTR].i}", size
-    if QUEUES_ATTR in node.attr:
-        return node.attr[QUEUES_ATTR].s.decode(), node.attr["N"].i
-    total = graph.producer(node.name, 0)[0]
-    return total, graph.node(total).attr["N"].i
+    return (node.attr[QUEUES_ATTR].s.decode() if QUEUES_ATTR in node.attr else node.name), node.attr["N"].i
+
+
+def _members(graph: Graph, node: NodeDef) -> list[str]:
+    """The nodes of an all-reduce's members here: a local sum's inputs (one per tower), else the node."""
+    if node.op != "AddN" or QUEUES_ATTR in node.attr:
+        return [node.name]
+    return [graph.producer(node.name, slot)[0] for slot in range(node.attr["N"].i)]
 
 
 def _fail_if(invariant: str, problems: list[str]) -> None:

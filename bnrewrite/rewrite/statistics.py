@@ -5,8 +5,9 @@ variance, n - 1 times which is M2). Static counts: one all-reduce gathers every 
 (each in rows of its own), and mean = sum n m / N, variance = sum (M2 + n (m - mean)^2) / N in the
 work dtype. Else one float64 all-reduce sums [n, n m, M2 + n m^2]. Why: deviations taken from the
 global mean before squaring cancel nothing, so float32 keeps the one-device op's error; the
-summed form needs float64 (docs/performance.md, "Numerics"). Invariant: the moments are those of
-the concatenated batch.
+summed form needs float64 (docs/performance.md, "Numerics"). What follows the all-reduce reads
+nothing of its tower: with the local backend's one sum it is built once per layer (Builder.once).
+Invariant: the moments are those of the concatenated batch.
 """
 
 from __future__ import annotations
@@ -94,6 +95,11 @@ def global_moments(b: Builder, local: Local, key: Collective, counts: Sequence[i
     s = b.binary("MulNoNan", "sum64", m64, n, D)
     ss = b.binary("AddV2", "sumsq64", m2, b.binary("MulNoNan", "mean_sq64", m64, s, D), D)
     reduced = all_reduce(b, "all_reduce", b.concat("moments", [n, s, ss], D), D, key)
+    return b.once(("moments", reduced), lambda: _summed_combine(b, reduced, work))
+
+
+def _summed_combine(b: Builder, reduced: str, work: int) -> Moments:
+    """The moments from the all-reduced float64 [N, sum n m, sum (M2 + n m^2)]."""
     total_count, (gsum, gsumsq) = b.split_count("global", reduced, D)
     mean64 = b.binary("DivNoNan", "mean64", gsum, total_count, D)
     m2_raw = b.binary("Sub", "m2_raw", gsumsq, b.binary("Mul", "sum_mean", gsum, mean64, D), D)
@@ -113,7 +119,7 @@ def _gathered_moments(b: Builder, local: Local, key: Collective, counts: Sequenc
     tower's moments; then two contractions with constant weights: mean = sum_j n_j/N m_j, and
     variance = sum_j (n_j (m_j - mean)^2 + f_j spread_j) / N, f_j = n_j - 1 or 1. A tower of no
     examples gives zeros (its kernel's moments are NaN)."""
-    rows, total, dtype = 2 * len(counts), float(sum(counts)), NUMPY_TYPES[work]
+    rows, dtype = 2 * len(counts), NUMPY_TYPES[work]
     if counts[key.member] == 0:
         pair = b.const("zeros", np.zeros([2, channels], dtype), dtype)
     else:
@@ -121,10 +127,16 @@ def _gathered_moments(b: Builder, local: Local, key: Collective, counts: Sequenc
     padding = b.const("rows", [[2 * key.member, rows - 2 * key.member - 2], [0, 0]])
     placed = b.node("Pad", "placed", [pair, padding], T=DType(work), Tpaddings=DType(DT_INT32))
     gathered = all_reduce(b, "all_reduce", placed, work, key)
+    return b.once(("moments", gathered), lambda: _gathered_combine(b, gathered, counts, local.unbiased, work))
+
+
+def _gathered_combine(b: Builder, gathered: str, counts: Sequence[int], unbiased: bool, work: int) -> Moments:
+    """The moments from the gathered [2K, C] rows by two contractions (_gathered_moments)."""
+    rows, total, dtype = 2 * len(counts), float(sum(counts)), NUMPY_TYPES[work]
     means = np.zeros(rows, dtype)
     means[0::2] = [n / total for n in counts]
     spreads = np.zeros(rows, dtype)
-    spreads[1::2] = [((n - 1.0) if local.unbiased else 1.0) / total if n else 0.0 for n in counts]
+    spreads[1::2] = [((n - 1.0) if unbiased else 1.0) / total if n else 0.0 for n in counts]
     mean = _contract(b, "mean", gathered, b.const("mean_weights", means, dtype), work)
     # the mean rows' squared deviations (the spread rows' go unused) and the spreads, weighted
     deviations = b.binary("SquaredDifference", "deviations", gathered, mean, work)

@@ -4,10 +4,12 @@ What: dx = scale * rstd * (dy - sum(dy)/N - x_hat * sum(dy * x_hat)/N), both sum
 tower by one all-reduce. Channels last (float32, float16): an inference-mode FusedBatchNormGradV3
 gives scale * rstd * dy and the local sums, an inference-mode FusedBatchNormV3 the correction;
 else elementwise passes. Why: the fewest nodes and launches (docs/performance.md). N is a
-constant when static, else the all-reduce carries the counts. Invariant: the gradient op becomes
-an IdentityN of its name; d(scale), d(offset) stay tower-local; every op added here that reads
-the scale runs before d(scale) by data edges (a reference variable's read aliases the buffer its
-update writes in place, and Grappler drops control edges: tests/test_variable_reads.py).
+constant when static, else the all-reduce carries the counts; what reads only the all-reduce and
+the global moments is built once per layer under the local backend (Builder.once). Invariant:
+the gradient op becomes an IdentityN of its name; d(scale), d(offset) stay tower-local; every
+op added here that reads the scale runs before d(scale) by data edges (a reference variable's
+read aliases the buffer its update writes in place, and Grappler drops control edges:
+tests/test_variable_reads.py).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     dyf = b.cast("dy_float", dy, T, F)
     rstd = b.cast("rstd", saved_rstd, U, F)
     sum_dy = b.reduce_sum("sum_dy", dyf, axes, F, False)
-    mean = b.per_channel("mean_b", b.cast("mean", saved_mean, U, F), shape, F)
+    mean = b.once(("mean_b", saved_mean), lambda: b.per_channel("mean_b", b.cast("mean", saved_mean, U, F), shape, F))
     centred = b.binary("Sub", "centred", b.cast("x_float", x, T, F), mean, F)
     sum_dy_xc = b.reduce_sum("sum_dy_xc", b.binary("Mul", "dy_xc", dyf, centred, F), axes, F, False)
     # scale * rstd and d(scale) = sum(dy * (x - mean)) * rstd by one product, so that d(scale)
@@ -66,32 +68,39 @@ def _rewrite_grad(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
     gain, dscale_float = unpacked, f"{unpacked}:1"
     dy_gain = b.binary("Mul", "dy_gain", dyf, b.per_channel("gain_b", gain, shape, F), F)
     collective = ctx.plan.collective(ctx.layer, phase, ctx.tower)
-    rstd_sq = b.binary("Mul", "rstd_sq", rstd, rstd, F)
     static = _static_total(ctx, phase)
     if static is None:  # the all-reduce carries the counts
         packed = b.concat("sums", [b.count("count", x, axes, T, F), sum_dy, sum_dy_xc], F)
-        reduce_name = all_reduce(b, "all_reduce", packed, F, collective)
-        total, (gsum_dy, gsum_dy_xc) = b.split_count("global", reduce_name, F)
     else:
-        reduce_name = all_reduce(b, "all_reduce", b.concat("sums", [sum_dy, sum_dy_xc], F), F, collective)
-        gsum_dy, gsum_dy_xc = b.split_pairs("global", reduce_name, F)
-    if static is not None:  # products with 1/N, rstd^2/N taken before the all-reduce
-        inverse = b.const("reciprocal_total", 1.0 / static, np.float32)
-        mean_dy = b.binary("Mul", "mean_dy", gsum_dy, inverse, F)
-        proj = b.binary("Mul", "projection", gsum_dy_xc, b.binary("Mul", "rstd_sq_per_example", rstd_sq, inverse, F), F)
-    else:
-        mean_dy = b.binary("DivNoNan", "mean_dy", gsum_dy, total, F)
-        proj = b.binary("DivNoNan", "projection", b.binary("Mul", "dy_xc_rstd_sq", gsum_dy_xc, rstd_sq, F), total, F)
+        packed = b.concat("sums", [sum_dy, sum_dy_xc], F)
+    reduce_name = all_reduce(b, "all_reduce", packed, F, collective)
+    minus_mean_dy, proj = b.once(("factors", reduce_name, rstd), lambda: _global_factors(b, reduce_name, rstd, static))
     ctx.record.collectives.append(reduce_name)
 
     # gain * (dy - mean_dy - (x - mean) * proj), as dy * gain (taken before the all-reduce)
     # - (x - mean) * (proj * gain) - gain * mean_dy
     xc_gain = b.per_channel("xc_gain_b", b.binary("Mul", "xc_gain", proj, gain, F), shape, F)
     dy_gain_minus_xc = b.binary("Sub", "dy_gain_minus_xc", dy_gain, b.binary("Mul", "xc_proj", centred, xc_gain, F), F)
-    constant = b.per_channel("constant_b", b.binary("Mul", "constant", b.unary("Neg", "minus_mean_dy", mean_dy, F), gain, F), shape, F)
+    constant = b.per_channel("constant_b", b.binary("Mul", "constant", minus_mean_dy, gain, F), shape, F)
     dx = b.cast("dx", b.binary("AddV2", "dx_float", dy_gain_minus_xc, constant, F), F, T)
     dscale = b.cast("dscale_stat", dscale_float, F, U)
     _replace(grad, b, dx, dscale, b.cast("doffset_stat", sum_dy, F, U), controls, site, ctx)
+
+
+def _global_factors(b: Builder, reduced: str, rstd: str, static: int | None) -> tuple[str, str]:
+    """(-mean(dy), rstd^2 mean(dy (x - mean))) over the global batch, from the all-reduced
+    [sum dy, sum dy (x - mean)], led by N when not `static`."""
+    rstd_sq = b.binary("Mul", "rstd_sq", rstd, rstd, F)
+    if static is None:
+        total, (gsum_dy, gsum_dy_xc) = b.split_count("global", reduced, F)
+        mean_dy = b.binary("DivNoNan", "mean_dy", gsum_dy, total, F)
+        proj = b.binary("DivNoNan", "projection", b.binary("Mul", "dy_xc_rstd_sq", gsum_dy_xc, rstd_sq, F), total, F)
+    else:  # products with 1/N
+        gsum_dy, gsum_dy_xc = b.split_pairs("global", reduced, F)
+        inverse = b.const("reciprocal_total", 1.0 / static, np.float32)
+        mean_dy = b.binary("Mul", "mean_dy", gsum_dy, inverse, F)
+        proj = b.binary("Mul", "projection", gsum_dy_xc, b.binary("Mul", "rstd_sq_per_example", rstd_sq, inverse, F), F)
+    return b.unary("Neg", "minus_mean_dy", mean_dy, F), proj
 
 
 def _rewrite_grad_with_kernels(grad: str, site: Site, ctx: SiteContext, phase: int) -> None:
@@ -104,31 +113,39 @@ def _rewrite_grad_with_kernels(grad: str, site: Site, ctx: SiteContext, phase: i
     b = ctx.builder(grad, "sync_bn_grad", ctx.graph.node(site.name).device)
     attrs = {"epsilon": site.epsilon, "data_format": "NHWC", "T": DType(site.dtype), "U": DType(F)}
     empty = b.const("empty", np.zeros([0], np.float32), np.float32)
-    rstd = b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", variance, b.const("epsilon", site.epsilon, np.float32), F), F)
+    rstd = b.once(("rstd", variance), lambda: b.unary(
+        "Rsqrt", "rstd", b.binary("AddV2", "variance_eps", variance, b.const("epsilon", site.epsilon, np.float32), F), F))
     gain = b.binary("Mul", "gain", scale, rstd, F)
     # fed gain and a unit variance (epsilon 0), the kernel reads the scale only through gain, so
     # d(scale) = sum(dy * (x - mean)) * rstd comes after every read of the scale by data
-    unit = b.const("ones", np.ones([site.channels], np.float32), np.float32) if site.channels else b.unary("OnesLike", "ones", rstd, F)
+    unit = (b.const("ones", np.ones([site.channels], np.float32), np.float32) if site.channels else
+            b.once(("ones", rstd), lambda: b.unary("OnesLike", "ones", rstd, F)))
     local = b.node("FusedBatchNormGradV3", "local", [dy, x, gain, mean, unit, empty], is_training=False, **{**attrs, "epsilon": 0.0})
     sum_dy_xhat, sum_dy = b.binary("Mul", "sum_dy_xhat", f"{local}:1", rstd, F), f"{local}:2"
     collective = ctx.plan.collective(ctx.layer, phase, ctx.tower)
     static = _static_total(ctx, phase)
     if static is not None:
-        sums = reduced = all_reduce(b, "all_reduce", b.node("Pack", "sums", [sum_dy_xhat, sum_dy], T=DType(F), N=2, axis=0), F, collective)
-        per_example = b.const("minus_reciprocal_total", -1.0 / static, np.float32)
+        packed = b.node("Pack", "sums", [sum_dy_xhat, sum_dy], T=DType(F), N=2, axis=0)
     else:  # the all-reduce carries the counts
         packed = b.concat("sums", [b.count("count", x, b.const("axes", site.reduce_axes), site.dtype, F), sum_dy_xhat, sum_dy], F)
-        reduced = all_reduce(b, "all_reduce", packed, F, collective)
-        total, pair = b.split_count("global", reduced, F)
-        sums = b.node("Pack", "global_sums", pair, T=DType(F), N=2, axis=0)
-        per_example = b.unary("Neg", "minus_reciprocal_total", b.unary("Reciprocal", "reciprocal_total", total, F), F)
+    reduced = all_reduce(b, "all_reduce", packed, F, collective)
     ctx.record.collectives.append(reduced)
-    factor = b.binary("Mul", "minus_gain_per_example", gain, per_example, F)
-    corrections = b.node("Unpack", "corrections", [b.binary("Mul", "scaled_sums", sums, factor, F)], T=DType(F), num=2, axis=0)
+    per_example = b.once(("per_example", reduced), lambda: _per_example(b, reduced, static))
+    corrections = b.node("Unpack", "corrections", [b.binary("Mul", "scaled_sums", per_example, gain, F)], T=DType(F), num=2, axis=0)
     correction = b.node("FusedBatchNormV3", "correction", [x, corrections, f"{corrections}:1", mean, variance],
                         exponential_avg_factor=1.0, is_training=False, **attrs)
     dx = b.binary("AddV2", "dx", local, correction, site.dtype)
     _replace(grad, b, dx, sum_dy_xhat, sum_dy, controls, site, ctx)
+
+
+def _per_example(b: Builder, reduced: str, static: int | None) -> str:
+    """-[sum dy * x_hat, sum dy] / N over the global batch, from the all-reduced sums, led by N
+    when not `static`."""
+    if static is not None:
+        return b.binary("Mul", "minus_sums_per_example", reduced, b.const("minus_reciprocal_total", -1.0 / static, np.float32), F)
+    total, pair = b.split_count("global", reduced, F)
+    per_example = b.unary("Neg", "minus_reciprocal_total", b.unary("Reciprocal", "reciprocal_total", total, F), F)
+    return b.binary("Mul", "minus_sums_per_example", b.node("Pack", "global_sums", pair, T=DType(F), N=2, axis=0), per_example, F)
 
 
 def _replace(grad: str, b: Builder, dx: str, dscale: str, doffset: str, controls: list[str], site: Site, ctx: SiteContext) -> None:

@@ -48,7 +48,8 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower), counts, ctx.graph.static_elements(scale))
     mean, var = moments.mean, moments.variance
     # reserve_space_2 holds what the gradient reads: the variance on the kernel path, else 1/std
-    spread = var if kernels else b.unary("Rsqrt", "rstd", b.binary("AddV2", "variance_eps", var, b.const("epsilon", site.epsilon, np.float32), F), F)
+    spread = var if kernels else b.once(("rstd", var), lambda: b.unary(
+        "Rsqrt", "rstd", b.binary("AddV2", "variance_eps", var, b.const("epsilon", site.epsilon, np.float32), F), F))
     norm_attrs: dict[str, object] = {
         "epsilon": site.epsilon, "data_format": site.data_format, "is_training": False,
         "exponential_avg_factor": 1.0, "T": DType(T),
@@ -71,9 +72,7 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
             norm_attrs["epsilon"] = site.epsilon * total / (total - 1.0)
             ratio = b.const("root_bessel", np.sqrt(total / (total - 1.0)), np.float32)
         else:
-            eps = b.const("epsilon", site.epsilon, np.float32)
-            ratio = b.unary("Sqrt", "std_ratio", b.binary("RealDiv", "variance_ratio", b.binary("AddV2", "fed_eps", fed_var, eps, F),
-                                                           b.binary("AddV2", "variance_eps", var, eps, F), F), F)
+            ratio = b.once(("std_ratio", fed_var, var), lambda: _std_ratio(b, fed_var, var, site.epsilon))
         fed = [x, b.binary("Mul", "scale_fed", scale, ratio, U), offset, b.cast("mean_u", mean, F, U), fed_var]
         editor.replace(_marked(site.op, site.name, fed + controls, node.device, key, norm_attrs))
         _move_statistics(ctx, site.name, statistics)
@@ -84,6 +83,13 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     ctx.record.replaced.append(site.name)
     ctx.record.collectives.append(moments.collective)
     ctx.record.moments[site.name] = (mean, var)
+
+
+def _std_ratio(b: Builder, fed_var: str, var: str, epsilon: float) -> str:
+    """sqrt((fed_var + e) / (var + e)): what raises the scale to normalize by var when fed fed_var."""
+    eps = b.const("epsilon", epsilon, np.float32)
+    return b.unary("Sqrt", "std_ratio", b.binary("RealDiv", "variance_ratio", b.binary("AddV2", "fed_eps", fed_var, eps, F),
+                                                  b.binary("AddV2", "variance_eps", var, eps, F), F), F)
 
 
 def _marked(op: str, name: str, inputs: list[str], device: str, key: str, attrs: dict[str, object]) -> NodeDef:

@@ -42,12 +42,12 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
         n, counts = moments_counts(ctx)
         if counts is not None:  # n_i / N a constant, no count in the all-reduce
             reduced = all_reduce(b, "all_reduce", b.concat("sums", local, work), work, key)
-            sums = b.split_pairs("global", reduced, work)
+            sums = b.once(("sums", reduced), lambda: b.split_pairs("global", reduced, work))
             share = b.const("share", [n / sum(counts)], NUMPY_TYPES[work])
         else:
             count = _local_count(b, graph, entries[0], site.x, site, work)
             reduced = all_reduce(b, "all_reduce", b.concat("sums", [count, *local], work), work, key)
-            total, sums = b.split_count("global", reduced, work)
+            total, sums = b.once(("sums", reduced), lambda: b.split_count("global", reduced, work))
             share = b.binary("DivNoNan", "share", count, total, work)
         for i, (entry, g, summed) in enumerate(zip(entries, incoming, sums)):
             shape = b.node("Shape", f"g{i}_shape", [g], T=DType(site.dtype), out_type=DType(DT_INT32))

@@ -10,12 +10,12 @@ StopGradient the variance's gradient reads) then sees global statistics unchange
 from __future__ import annotations
 
 from bnrewrite.graph.index import Graph
-from bnrewrite.graph.nodes import DT_DOUBLE, DT_FLOAT, DT_INT32, DType, identity_n
+from bnrewrite.graph.nodes import DT_DOUBLE, DT_FLOAT, DT_INT32, Builder, DType, identity_n
 from bnrewrite.match.census import Site
 from bnrewrite.rewrite.passes.record import PassRecord
 from bnrewrite.rewrite.passes.sites import SiteContext, each_site, static_counts
 from bnrewrite.rewrite.plan import Plan
-from bnrewrite.rewrite.statistics import centred_moments, global_moments
+from bnrewrite.rewrite.statistics import Moments, centred_moments, global_moments
 
 
 
@@ -43,13 +43,22 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     count, counts = moments_counts(ctx)
     local, local_sum = centred_moments(b, node.input[0], site.dtype, site.reduce_axes, None, count, work)
     moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower), counts, graph.static_elements(site.name), work)
-    shape = b.node("Shape", "keep_dims_shape", [local_sum], T=DType(work), out_type=DType(DT_INT32))
-    for name, value in ((site.name, moments.mean), (site.variance, moments.variance)):
-        if site.keep_dims:
-            value = b.reshape(f"{value.rsplit('/', 1)[1]}_kept", value, shape, work)
-        value = b.cast(f"{value.rsplit('/', 1)[1]}_out", value, work, site.dtype)
+    # the reduced dimensions kept are 1 in every tower: one reshape serves them all
+    outputs = b.once(("moments_out", moments.mean, moments.variance), lambda: _outputs(b, site, moments, local_sum, work))
+    for name, value in zip((site.name, site.variance), outputs):
         controls = [i for i in graph.node(name).input if i.startswith("^")]
         editor.replace(identity_n(name, [value, *controls], [site.dtype], graph.node(name).device, ctx.key))
         ctx.record.replaced.append(name)
     ctx.record.collectives.append(moments.collective)
     ctx.record.moments[site.name] = (moments.mean, moments.variance)
+
+
+def _outputs(b: Builder, site: Site, moments: Moments, local_sum: str, work: int) -> list[str]:
+    """The global mean and variance in the shape and dtype of the Means they replace."""
+    shape = b.node("Shape", "keep_dims_shape", [local_sum], T=DType(work), out_type=DType(DT_INT32)) if site.keep_dims else ""
+    outputs = []
+    for value in (moments.mean, moments.variance):
+        if site.keep_dims:
+            value = b.reshape(f"{value.rsplit('/', 1)[1]}_kept", value, shape, work)
+        outputs.append(b.cast(f"{value.rsplit('/', 1)[1]}_out", value, work, site.dtype))
+    return outputs
