@@ -159,9 +159,16 @@ def _with_exclusive_ancestors(graph: Graph, doomed: dict[str, str]) -> dict[str,
     (`ReadVariableOp [v, ^update]`: the value an assign returns, unused), so the assigns of
     a duplicate update's bookkeeping (zero-debias's `local_step`) go with it.
     """
+    reads: dict[str, dict[str, str]] = {}  # a node read by every tower is met once per tower
+
+    def dead_reads(name: str) -> dict[str, str]:
+        if name not in reads:
+            reads[name] = _dead_reads(graph, name)
+        return reads[name]
+
     removed = dict(doomed)
     for name in doomed:
-        removed.update(_dead_reads(graph, name))
+        removed.update(dead_reads(name))
     stack = list(removed)
     while stack:
         name = stack.pop()
@@ -169,7 +176,7 @@ def _with_exclusive_ancestors(graph: Graph, doomed: dict[str, str]) -> dict[str,
             src, _ = parse_input(spec)
             if src in removed or src not in graph or not _removable(graph, src):
                 continue
-            dead = _dead_reads(graph, src)
+            dead = dead_reads(src)
             if all(reader in removed or reader in dead for reader in graph.consumers.get(src, ())):
                 removed[src] = f"only fed {name}, which was removed"
                 removed.update(dead)
