@@ -24,15 +24,16 @@ ROOT = os.path.dirname(HERE)
 SCRIPTS = {"inception": "inception_train.py", "deep": "deep_train.py"}
 
 
-def timed(command: list[str]) -> float:
-    """Wall seconds of one process run to its end; a failed run stops the tool with its output."""
+def timed(command: list[str]) -> tuple[float, str]:
+    """Wall seconds of one process run to its end, and the last line it printed (deep_train's
+    split: build, session + init + first step); a failed run stops the tool with its output."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = time.perf_counter()
     proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
         sys.exit(f"{' '.join(command)} exited {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1]}")
-    return seconds
+    return seconds, (proc.stdout.strip().splitlines() or [""])[-1]
 
 
 def pairs(script: str, count: int, extra: list[str]) -> list[tuple[float, float]]:
@@ -42,14 +43,17 @@ def pairs(script: str, count: int, extra: list[str]) -> list[tuple[float, float]
     found = []
     for i in range(count):
         if i % 2:
-            ran = timed(run)
-            python = timed(plain)
+            ran, ran_said = timed(run)
+            python, python_said = timed(plain)
         else:
-            python = timed(plain)
-            ran = timed(run)
+            python, python_said = timed(plain)
+            ran, ran_said = timed(run)
         found.append((python, ran))
         print(f"  {script} pair {i + 1}: python {python:.2f} s, run {ran:.2f} s, ratio {ran / python:.3f} "
               f"(load average {os.getloadavg()[0]:.1f})", flush=True)
+        for way, said in (("python", python_said), ("run", ran_said)):
+            if said:
+                print(f"    {way}: {said}", flush=True)
     return found
 
 
