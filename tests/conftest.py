@@ -4,13 +4,15 @@ The model/graph builder lives in examples/towers_model.py (shared with
 examples/demo.py); tests import it through tests/models.py.
 """
 
+import gc
 import os
 import pathlib
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_TESTS)
 _EXAMPLES = os.path.join(_ROOT, "examples")
 if _EXAMPLES not in sys.path:
     sys.path.insert(0, _EXAMPLES)
@@ -218,6 +220,28 @@ def pytest_collection_modifyitems(config, items):
         if module in SLOW_MODULES or name.startswith(SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: _rank(_name(item), item.path.name))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After a module's last test (its fixtures torn down), drop what the test modules cached for
+    the process (functools caches of built graphs and trainings, tests/models.py's runs), but the
+    next module's own and SPREAD's (their tests come back between others'): a worker runs dozens
+    of modules, and kept they held every graph it had built (the largest worker grew to 2.8 GB;
+    a module shares its builds within itself)."""
+    yield
+    if nextitem is None or nextitem.module is item.module:
+        return
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None) or ""
+        if module is nextitem.module or not path.startswith(_TESTS) or os.path.basename(path) in SPREAD:
+            continue
+        for value in list(vars(module).values()):
+            if getattr(value, "__module__", None) == name and callable(getattr(value, "cache_clear", None)):
+                value.cache_clear()
+    if "models" in sys.modules:
+        sys.modules["models"].forget_runs()
+    gc.collect()  # the graphs' reference cycles, now rather than at some later allocation
 
 
 def pytest_unconfigure(config):

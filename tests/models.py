@@ -88,7 +88,7 @@ __all__ = [
     "Spec", "Built", "Result", "build_towers", "build_reference", "make_batches",
     "train", "max_rel_error", "rel_errors", "load_graph", "build_hand_synced",
     "LAYERS", "DATA_FORMATS", "DTYPES", "DEVICES", "assert_synced", "one_device_run", "unrewritten_run",
-    "towers_once",
+    "towers_once", "forget_runs",
 ]
 
 
@@ -108,6 +108,11 @@ def one_device_run(spec: Spec, steps: int) -> Result:
 
 
 _UNREWRITTEN: dict[tuple[Spec, int], Result] = {}
+
+
+def forget_runs() -> None:
+    """Drop the un-rewritten runs unrewritten_run kept (tests/conftest.py, between modules)."""
+    _UNREWRITTEN.clear()
 
 
 def unrewritten_run(spec: Spec, steps: int, built: Built | None = None) -> Result:

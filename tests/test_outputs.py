@@ -290,7 +290,9 @@ def _signalled_run(source: str, scene: str, signum: int, delay: float) -> tuple[
         before = tree_snapshot(scene)
         argv = [sys.executable, "-m", "bnrewrite", "convert", source, os.path.join(scene, "out"), "--tags", "train",
                 "--force", "--report", os.path.join(scene, "r.json")]
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+        # SIGINT not ignored, as at a terminal (a suite started in the background ignores it, children inherit that)
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 120
         while proc.poll() is None and time.monotonic() < deadline:
             if any(n.startswith(TEMP_PREFIX) for n in os.listdir(scene)):

@@ -8,7 +8,8 @@ per child. Why: the suite starts about 60 such children; the import was most of 
 Invariants:
 - The child is a real separate process (own pid, exit status, signals, cwd, env, fds 0-2) that
   behaves as a cold `python ARGV` with that env: sys.argv, sys.path (path[0], PYTHONPATH, site),
-  a fresh __main__, fresh-python signal dispositions and an empty signal mask, python's exit
+  a fresh __main__, fresh-python signal dispositions (SIGINT ignored if the caller ignores it, as
+  an exec'd python keeps it) and an empty signal mask, python's exit
   codes and messages (SystemExit, uncaught exception -> excepthook + 1, KeyboardInterrupt ->
   killed by SIGINT), threads joined, atexit run and stdio flushed at exit. What differs: the
   modules already imported (never use it for a test about import time: a command that must not
@@ -191,7 +192,9 @@ class ForkedPopen(subprocess.Popen):
         fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
         message = {"argv": [os.fsdecode(a) for a in args], "cwd": os.fsdecode(cwd) if cwd else os.getcwd(),
                    "env": {os.fsdecode(k): os.fsdecode(v) for k, v in (os.environ if env is None else env).items()},
-                   "setsid": bool(start_new_session)}
+                   "setsid": bool(start_new_session),
+                   # an exec'd python inherits an ignored SIGINT (a suite started in the background) and keeps it
+                   "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN}
         try:
             self._status = self._zygote.request(message, fds)
             data = os.read(self._status, _STATUS.size)
@@ -407,7 +410,7 @@ def _become_child(request: dict, fds: list[int], server_fds: list[int], base_pat
     """In the forked child: become `python ARGV` with the request's env, cwd and fds; never returns."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if request["sigint_ignored"] else signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     if request["setsid"]:
         os.setsid()
