@@ -137,8 +137,28 @@ def _results(session, args, losses: list[float]) -> dict[str, np.ndarray]:
     return out
 
 
+def _check_readiness_often() -> None:
+    """A non-chief's MonitoredTrainingSession that finds the chief's variables not yet initialized
+    looks again 30 s later (SessionManager's recovery_wait_secs, which it does not expose): a
+    worker started with the chief slept 30 s of every run. Here it looks every 0.1 s."""
+    from tensorflow.python.training import session_manager
+
+    manager = session_manager.SessionManager
+    if getattr(manager.__init__, "checks_often", False):
+        return
+    init = manager.__init__
+
+    @functools.wraps(init)
+    def checks_often(self, *args, **kwargs) -> None:
+        init(self, *args, **{"recovery_wait_secs": 0.1, **kwargs})
+
+    checks_often.checks_often = True
+    manager.__init__ = checks_often
+
+
 def run_ps_layout(args, server, spec) -> dict[str, np.ndarray]:
     task = args.task
+    _check_readiness_often()
     setter = lambda k: tf1.train.replica_device_setter(  # noqa: E731
         worker_device=f"/job:worker/task:{task}/device:CPU:{k}", cluster=spec)
     with tf1.device(setter(0)):
