@@ -222,6 +222,12 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: _rank(_name(item), item.path.name))
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection loaded (TensorFlow, tf_keras, the test modules) lives for the whole run:
+    out of the collector's sight, no collection scans it again."""
+    gc.freeze()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     """After a module's last test (its fixtures torn down), drop what the test modules cached for
