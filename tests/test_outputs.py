@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from model_files import cached_models, tree_snapshot
+import zygote
 
 from bnrewrite import cli, io
 from bnrewrite.errors import GraphValidationError, InputFormatError, OutputError, PassError
@@ -290,9 +291,7 @@ def _signalled_run(source: str, scene: str, signum: int, delay: float) -> tuple[
         before = tree_snapshot(scene)
         argv = [sys.executable, "-m", "bnrewrite", "convert", source, os.path.join(scene, "out"), "--tags", "train",
                 "--force", "--report", os.path.join(scene, "r.json")]
-        # SIGINT not ignored, as at a terminal (a suite started in the background ignores it, children inherit that)
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
         deadline = time.monotonic() + 120
         while proc.poll() is None and time.monotonic() < deadline:
             if any(n.startswith(TEMP_PREFIX) for n in os.listdir(scene)):
@@ -318,7 +317,7 @@ def _signalled_runs(files, work) -> list[tuple]:
         shutil.copytree(files.saved, scene / "out")
         _put(scene / "r.json", b"old report")
         scenes.append((str(source), str(scene), signum, 0.0 if signum == signal.SIGINT else 0.02))
-    with ThreadPoolExecutor(len(scenes)) as pool:
+    with zygote.interruptible(), ThreadPoolExecutor(len(scenes)) as pool:  # SIGINT reaches them as at a terminal
         results = list(pool.map(lambda a: _signalled_run(*a), scenes))
     return [(signum, *result) for (_, _, signum, _), result in zip(scenes, results)]
 

@@ -134,17 +134,12 @@ def test_refused_graph_stops_the_script_before_its_first_step(tmp_path):
     assert "step" not in refused.stdout and not os.path.exists(tmp_path / "refused")
 
 
-def _interruptible() -> None:
-    """SIGINT as at a terminal, in a child: a suite started in the background (`pytest &`) ignores
-    it, and a child would inherit that."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def test_ctrl_c_during_training_exits_130(tmp_path):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "bnrewrite", "run", EXAMPLE, "--num_gpus", "2", "--steps", "300", "--train_dir", "t"],
-        cwd=str(tmp_path), env={**ENV, "PYTHONUNBUFFERED": "1"}, text=True, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, preexec_fn=_interruptible)
+    with zygote.interruptible():
+        process = subprocess.Popen(
+            [sys.executable, "-m", "bnrewrite", "run", EXAMPLE, "--num_gpus", "2", "--steps", "300", "--train_dir", "t"],
+            cwd=str(tmp_path), env={**ENV, "PYTHONUNBUFFERED": "1"}, text=True, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     line = ""
     while "step 1:" not in line and time.monotonic() < deadline:

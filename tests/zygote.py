@@ -31,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import select
@@ -40,6 +41,7 @@ import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from importlib.machinery import PathFinder
 from typing import Any, Optional
 
@@ -266,6 +268,18 @@ def spawn(args: list, **kwargs: Any) -> subprocess.Popen:
                 _say_cold(f"the zygote failed: {error}")
     _log("cold", argv)
     return subprocess.Popen(args, **kwargs)
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Children started within get SIGINT at its default, as at a terminal, also when this process
+    ignores it (a suite started in the background, `pytest &`): an exec keeps an ignored signal but
+    resets a handled one. Main thread only."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _log(how: str, argv: list[str]) -> None:
