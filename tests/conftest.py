@@ -230,9 +230,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
-    """After a module's last test (its fixtures torn down), drop what the test modules cached for
-    the process (functools caches of built graphs and trainings, tests/models.py's runs), but the
-    next module's own and SPREAD's (their tests come back between others'): a worker runs dozens
+    """After a module's last test (its fixtures torn down), drop what the modules of tests/ cached
+    for the process (their `cache_clear`s: built graphs and trainings), but the next module's own
+    and SPREAD's (their tests come back between others'); not tests/scripts' (a script's in-process
+    cluster holds servers that cannot be stopped): a worker runs dozens
     of modules, and kept they held every graph it had built (the largest worker grew to 2.8 GB;
     a module shares its builds within itself)."""
     yield
@@ -240,13 +241,11 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
         return
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None) or ""
-        if module is nextitem.module or not path.startswith(_TESTS) or os.path.basename(path) in SPREAD:
+        if module is nextitem.module or os.path.dirname(path) != _TESTS or os.path.basename(path) in SPREAD:
             continue
         for value in list(vars(module).values()):
             if getattr(value, "__module__", None) == name and callable(getattr(value, "cache_clear", None)):
                 value.cache_clear()
-    if "models" in sys.modules:
-        sys.modules["models"].forget_runs()
     gc.collect()  # the graphs' reference cycles, now rather than at some later allocation
 
 

@@ -88,7 +88,7 @@ __all__ = [
     "Spec", "Built", "Result", "build_towers", "build_reference", "make_batches",
     "train", "max_rel_error", "rel_errors", "load_graph", "build_hand_synced",
     "LAYERS", "DATA_FORMATS", "DTYPES", "DEVICES", "assert_synced", "one_device_run", "unrewritten_run",
-    "towers_once", "forget_runs",
+    "towers_once",
 ]
 
 
@@ -110,11 +110,6 @@ def one_device_run(spec: Spec, steps: int) -> Result:
 _UNREWRITTEN: dict[tuple[Spec, int], Result] = {}
 
 
-def forget_runs() -> None:
-    """Drop the un-rewritten runs unrewritten_run kept (tests/conftest.py, between modules)."""
-    _UNREWRITTEN.clear()
-
-
 def unrewritten_run(spec: Spec, steps: int, built: Built | None = None) -> Result:
     """The K-tower graph as built, not rewritten, trained on make_batches(spec, steps): the
     oracle's must-not-match side, trained once per test process (treat it as read-only).
@@ -129,6 +124,9 @@ def unrewritten_run(spec: Spec, steps: int, built: Built | None = None) -> Resul
             graph = built.graph.as_graph_def()
         _UNREWRITTEN[key] = train(graph, built, make_batches(spec, steps), num_devices=spec.towers)
     return _UNREWRITTEN[key]
+
+
+unrewritten_run.cache_clear = _UNREWRITTEN.clear  # type: ignore[attr-defined]  # as a functools cache (tests/conftest.py)
 
 
 def assert_synced(label: str, synced: Result, unsynced: Result, expected: Result, tolerance: float) -> float:

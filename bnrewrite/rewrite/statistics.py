@@ -98,6 +98,13 @@ def global_moments(b: Builder, local: Local, key: Collective, counts: Sequence[i
     return b.once(("moments", reduced), lambda: _summed_combine(b, reduced, work))
 
 
+def reciprocal_std(b: Builder, variance: str, epsilon: float) -> str:
+    """1 / sqrt(variance + epsilon) in float32 from a float32 `variance`; built once per variance
+    tensor in a pass (Builder.once), so the local backend's towers share their layer's."""
+    return b.once(("rstd", variance), lambda: b.unary(
+        "Rsqrt", "rstd", b.binary("AddV2", "variance_eps", variance, b.const("epsilon", epsilon, np.float32), F), F))
+
+
 def _summed_combine(b: Builder, reduced: str, work: int) -> Moments:
     """The moments from the all-reduced float64 [N, sum n m, sum (M2 + n m^2)]."""
     total_count, (gsum, gsumsq) = b.split_count("global", reduced, D)

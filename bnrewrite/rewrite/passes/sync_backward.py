@@ -25,6 +25,7 @@ from bnrewrite.rewrite.collectives import all_reduce
 from bnrewrite.rewrite.passes.record import PassRecord
 from bnrewrite.rewrite.passes.sites import SiteContext, each_site, static_counts, takes_kernels
 from bnrewrite.rewrite.plan import Plan
+from bnrewrite.rewrite.statistics import reciprocal_std
 
 F = DT_FLOAT
 
@@ -113,8 +114,7 @@ def _rewrite_grad_with_kernels(grad: str, site: Site, ctx: SiteContext, phase: i
     b = ctx.builder(grad, "sync_bn_grad", ctx.graph.node(site.name).device)
     attrs = {"epsilon": site.epsilon, "data_format": "NHWC", "T": DType(site.dtype), "U": DType(F)}
     empty = b.const("empty", np.zeros([0], np.float32), np.float32)
-    rstd = b.once(("rstd", variance), lambda: b.unary(
-        "Rsqrt", "rstd", b.binary("AddV2", "variance_eps", variance, b.const("epsilon", site.epsilon, np.float32), F), F))
+    rstd = reciprocal_std(b, variance, site.epsilon)
     gain = b.binary("Mul", "gain", scale, rstd, F)
     # fed gain and a unit variance (epsilon 0), the kernel reads the scale only through gain, so
     # d(scale) = sum(dy * (x - mean)) * rstd comes after every read of the scale by data

@@ -22,7 +22,7 @@ from bnrewrite.rewrite.functions import in_body
 from bnrewrite.rewrite.passes.record import PassRecord
 from bnrewrite.rewrite.passes.sites import SiteContext, each_site, static_counts, takes_kernels
 from bnrewrite.rewrite.plan import Plan
-from bnrewrite.rewrite.statistics import Local, centred_moments, global_moments
+from bnrewrite.rewrite.statistics import Local, centred_moments, global_moments, reciprocal_std
 
 F = DT_FLOAT
 
@@ -48,8 +48,7 @@ def _rewrite_site(site: Site, ctx: SiteContext) -> None:
     moments = global_moments(b, local, ctx.plan.collective(ctx.layer, 0, ctx.tower), counts, ctx.graph.static_elements(scale))
     mean, var = moments.mean, moments.variance
     # reserve_space_2 holds what the gradient reads: the variance on the kernel path, else 1/std
-    spread = var if kernels else b.once(("rstd", var), lambda: b.unary(
-        "Rsqrt", "rstd", b.binary("AddV2", "variance_eps", var, b.const("epsilon", site.epsilon, np.float32), F), F))
+    spread = var if kernels else reciprocal_std(b, var, site.epsilon)
     norm_attrs: dict[str, object] = {
         "epsilon": site.epsilon, "data_format": site.data_format, "is_training": False,
         "exponential_avg_factor": 1.0, "T": DType(T),
