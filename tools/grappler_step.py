@@ -2,10 +2,10 @@
 
     python tools/grappler_step.py [--towers 8] [--layers 50] [--backend local] [--repeats 3] [--top 14]
 
-Builds tools/deep_net.py's T towers x L fused conv+BN layers, rewrites it, and gives each graph's
-train step (the fetch `train_op`) to Grappler with TensorFlow's default options
-(`tf_optimizer.OptimizeGraph`, what a session runs before the first step, here without the
-session's placement); prints the median seconds of `--repeats`, the optimized step's nodes, data
+Takes tools/deep_net.py's T towers x L fused conv+BN layers (its cached GraphDef), rewrites it,
+and gives each graph's train step (the fetch `train_op`) to Grappler with TensorFlow's default
+options (`tf_optimizer.OptimizeGraph`, what a session runs before the first step, here without
+the session's placement); prints the median seconds of `--repeats`, the optimized step's nodes, data
 edges and control edges, and the ops whose node or data-edge counts differ most (rewritten less as
 built). Why: Grappler's extra time is most of the first step's under `bnrewrite run` (issue 50),
 and it follows the optimized step's size, not the GraphDef's. Per optimizer, run a session with
@@ -67,7 +67,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=14)
     args = parser.parse_args()
-    built = deep_net.build_graph(args.towers, args.layers).as_graph_def()
+    built = deep_net.cached_graph_def(args.towers, args.layers)
     rewritten = rewrite_graph(built, backend=args.backend, available_cpus=args.towers, available_gpus=0).graph_def
     sites = args.towers * args.layers
     found = {}
