@@ -1,5 +1,6 @@
-"""The local backend: one AddN per all-reduce on the first tower's device of each sync group,
-and what is computed from it (the global moments, the backward's factors) built once beside it.
+"""The local backend: one AddN per all-reduce (one Pack where it gathers the towers' moments) on
+the first tower's device of each sync group, and what is computed from it (the global moments,
+the backward's factors) built once beside it.
 
 What it must do besides training like one device (tests/test_oracle.py, test_unfused_and_cond.py
 and test_tower_shapes.py run it): be what `auto` picks for towers of one process that are not
@@ -13,7 +14,7 @@ import pytest
 
 import bnrewrite
 from bnrewrite import rewrite_graph
-from bnrewrite.rewrite.collectives import COLLECTIVE_OPS, INSTANCE_ATTR
+from bnrewrite.rewrite.collectives import COLLECTIVE_OPS, GATHER_ROWS, INSTANCE_ATTR
 import towers_model
 import tensorflow as tf
 from bnrewrite.graph.index import Device
@@ -23,7 +24,8 @@ from models import Spec, assert_synced, build_towers, make_batches, one_device_r
 
 def _sums_and_readers(graph_def):
     nodes = {n.name: n for n in graph_def.node}
-    sums = [n for n in graph_def.node if n.op == "AddN" and n.name.endswith("all_reduce/sum")]
+    sums = [n for n in graph_def.node if n.op == "AddN" and n.name.endswith("all_reduce/sum")
+            or n.op == "Pack" and n.name.endswith("all_reduce/rows")]
     readers = defaultdict(list)
     for node in graph_def.node:
         for name in {i.split(":")[0] for i in node.input if not i.startswith("^")}:
@@ -43,7 +45,8 @@ def test_auto_picks_local_on_cpu_towers_one_sum_per_all_reduce(layer):
     assert len(sums) == 2 * layers  # one forward and one backward all-reduce per layer
     assert len({total.attr[INSTANCE_ATTR].i for total in sums}) == len(sums)
     for total in sums:
-        assert total.device == "/device:CPU:0" and total.attr["N"].i == k == len(total.input)
+        rows = GATHER_ROWS if total.op == "Pack" else 1  # a gather's rows: [mean, spread] of each tower
+        assert total.device == "/device:CPU:0" and total.attr["N"].i == rows * k == len(total.input)
         assert {nodes[i.split(":")[0]].device for i in total.input} == {f"/device:CPU:{t}" for t in range(k)}
         # the combine is built once, beside the sum: no tower reads the sum itself
         assert readers[total.name] and {r.device for r in readers[total.name]} == {"/device:CPU:0"}

@@ -28,7 +28,7 @@ from test_cli import bnrewrite as run_cli
 from bnrewrite import rewrite_graph
 from bnrewrite.errors import PassError
 from bnrewrite.graph.edit import Editor
-from bnrewrite.graph.nodes import MARK
+from bnrewrite.graph.nodes import MARK, DType
 from bnrewrite.rewrite import api, statistics
 from bnrewrite.rewrite.passes import PIPELINE, dedupe_moving_averages, run_passes
 from bnrewrite.session import stepcheck
@@ -181,14 +181,18 @@ def _break_after_passes(monkeypatch, edit=lambda g: g, passes=PIPELINE, meaning=
 
 
 def test_a_tower_whose_all_reduce_is_bypassed_fails_named(monkeypatch):
-    real = statistics.all_reduce
+    """Tower 1 takes its own moments for every tower's rows of the local gather (its Pack still
+    gets them, unread)."""
+    real = statistics.local_gather
 
-    def bypassed(b, name, tensor, dtype, key):
-        summed = real(b, name, tensor, dtype, key)
-        return tensor if b.device.endswith("CPU:1") else summed
+    def bypassed(b, name, vectors, dtype, key):
+        gathered = real(b, name, vectors, dtype, key)
+        if not b.device.endswith("CPU:1"):
+            return gathered
+        return b.node("Pack", "own_rows", list(vectors) * key.group_size, T=DType(dtype), N=len(vectors) * key.group_size, axis=0)
 
-    monkeypatch.setattr(statistics, "all_reduce", bypassed)
-    _break_after_passes(monkeypatch, meaning=False)  # the meaning check sees tower 1's sum unused
+    monkeypatch.setattr(statistics, "local_gather", bypassed)
+    _break_after_passes(monkeypatch, meaning=False)  # the meaning check sees tower 1's rows unused
     with pytest.raises(PassError, match=r"layer net/bn1, tower /device:CPU:1: the global mean, relative to \|mean\| \+ "
                                         r"the standard deviation is off by \d"):
         checked_step(Spec())

@@ -75,12 +75,14 @@ ConstPool = dict[tuple[str, str, tuple[str, tuple[int, ...], bytes]], str]
 @dataclass
 class Shared:
     """What the builders of one pass share: its constants, the sum node of each local
-    all-reduce (its shared name -> the AddN every member adds its input to), what `Builder.once`
-    built, and each layer's static counts ((layer, phase) -> tower -> (its count, its sync
-    group's), see bnrewrite.rewrite.passes.sites.static_counts)."""
+    all-reduce (its shared name -> the AddN every member adds its input to), the Pack of each
+    local gather (its shared name -> the Pack and each member's inputs to it), what
+    `Builder.once` built, and each layer's static counts ((layer, phase) -> tower -> (its count,
+    its sync group's), see bnrewrite.rewrite.passes.sites.static_counts)."""
 
     consts: ConstPool = field(default_factory=dict)
     sums: dict[str, str] = field(default_factory=dict)
+    gathers: dict[str, tuple[str, dict[int, list[str]]]] = field(default_factory=dict)
     built: dict[tuple[str, ...], Any] = field(default_factory=dict)
     counts: dict[tuple[int, int], dict[str, tuple[int | None, tuple[int, ...] | None]]] = field(default_factory=dict)
 

@@ -25,7 +25,8 @@ from typing import Any
 from bnrewrite.errors import BnRewriteError, OutputError
 
 MARK = "_bnrewrite"  # = bnrewrite.graph.nodes.MARK (not imported: that module imports TensorFlow)
-INSTANCE_ATTR = "_bnrewrite_instance"  # = bnrewrite.rewrite.collectives: on each tower's all-reduce (NCCL, collective, ps), on a local sum
+INSTANCE_ATTR = "_bnrewrite_instance"  # = bnrewrite.rewrite.collectives: on each tower's all-reduce (NCCL, collective, ps), on a local sum or gather
+GATHER_ROWS = 2  # = bnrewrite.rewrite.collectives: the inputs each tower gives a local gather (a Pack)
 QUEUES_ATTR = "_bnrewrite_queues"  # = bnrewrite.rewrite.collectives: on each "ps" member (an AddN too)
 _TEXT = frozenset({".dot", ".gv"})
 _RENDERED = {".svg": "svg", ".png": "png", ".pdf": "pdf"}
@@ -293,9 +294,11 @@ def layer_dot(before: Any, after: Any, report: Any, layer: str) -> str:
 
 
 def _members(node: Any) -> int:
-    """How many towers' all-reduces `node` is: every member's for a local sum, one for another's."""
+    """How many towers' all-reduces `node` is: every member's for a local sum or gather, one for another's."""
     if INSTANCE_ATTR not in node.attr:
         return 0
+    if node.op == "Pack":
+        return node.attr["N"].i // GATHER_ROWS
     return node.attr["N"].i if node.op == "AddN" and QUEUES_ATTR not in node.attr else 1
 
 

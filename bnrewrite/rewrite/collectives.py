@@ -7,14 +7,16 @@ Every all-reduce belongs to a sync group (a set of towers; its `group_key`) and 
 `shared_name` and the collective runtime's keys both identify it.
 
 "local" sums the members' inputs with one AddN on the first member's device, which every
-member reads: the graph sees every tower, so it need not meet them by keys, which costs several
-times more per all-reduce (docs/performance.md). What depends on the sum alone is then built
-once too (`Builder.once`). It cannot reach into function bodies (control flow v2 branches) or
-other workers: those need the rendezvous by keys that NCCL and the collective runtime provide.
+member reads (and gathers their rows with one Pack there: `local_gather`): the graph sees every
+tower, so it need not meet them by keys, which costs several times more per all-reduce
+(docs/performance.md). What depends on the sum alone is then built once too (`Builder.once`).
+It cannot reach into function bodies (control flow v2 branches) or other workers: those need
+the rendezvous by keys that NCCL and the collective runtime provide.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from tensorflow.core.framework.attr_value_pb2 import AttrValue
@@ -31,6 +33,8 @@ COLLECTIVE_OPS = frozenset({"NcclAllReduce", "CollectiveReduceV2"})
 INSTANCE_ATTR = "_bnrewrite_instance"
 #: Attribute on each member of a "ps" all-reduce (its sum): the queues' common name, for checks.
 QUEUES_ATTR = "_bnrewrite_queues"
+#: The [C] vectors each member gives a local gather ([mean, spread]): its Pack reads 2 per tower.
+GATHER_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,26 @@ def _local_sum(builder: Builder, name: str, tensor: str, dtype: int, key: Collec
         node.input.append(tensor)
         node.attr["N"].i = len(node.input)
     return total
+
+
+def local_gather(builder: Builder, name: str, vectors: Sequence[str], dtype: int, key: Collective) -> str:
+    """The local backend's gather: every member's GATHER_ROWS [C] `vectors`, in member order, as
+    the rows of one Pack on the first member's device, which every member reads. The rows are
+    those a sum of each member's rows padded into place gives (x + 0 is x), by one node for the
+    layer instead of a Pack and a Pad per member and their sum."""
+    assert len(vectors) == GATHER_ROWS, vectors
+    gather = builder.shared.gathers.get(key.shared_name)
+    if gather is None:
+        gather = builder.node("Pack", f"{name}/rows", vectors, T=DType(dtype), N=len(vectors), axis=0,
+                              **{INSTANCE_ATTR: key.instance_key}), {}
+        builder.shared.gathers[key.shared_name] = gather
+    pack, members = gather
+    members[key.member] = list(vectors)
+    node = builder.editor.mutable(pack)
+    del node.input[:]
+    node.input.extend(vector for member in sorted(members) for vector in members[member])
+    node.attr["N"].i = len(node.input)
+    return pack
 
 
 def _through_queues(builder: Builder, name: str, tensor: str, dtype: int, key: Collective) -> str:

@@ -28,7 +28,7 @@ from typing import Iterable
 from bnrewrite.errors import PassError
 from bnrewrite.graph.index import Graph, NodeDef
 from bnrewrite.match.updates import writers
-from bnrewrite.rewrite.collectives import INSTANCE_ATTR, QUEUES_ATTR
+from bnrewrite.rewrite.collectives import GATHER_ROWS, INSTANCE_ATTR, QUEUES_ATTR
 from bnrewrite.rewrite.functions import in_body
 from bnrewrite.rewrite.plan import Plan
 
@@ -180,11 +180,16 @@ def _group(graph: Graph, node: NodeDef) -> tuple[str, int]:
     if node.op == "CollectiveReduceV2":
         size, group = (graph.node(graph.producer(node.name, slot)[0]).attr["value"].tensor.int_val[0] for slot in (1, 2))
         return f"collective group {group} instance {node.attr[INSTANCE_ATTR].i}", size
+    if node.op == "Pack":
+        return node.name, node.attr["N"].i // GATHER_ROWS
     return (node.attr[QUEUES_ATTR].s.decode() if QUEUES_ATTR in node.attr else node.name), node.attr["N"].i
 
 
 def _members(graph: Graph, node: NodeDef) -> list[str]:
-    """The nodes of an all-reduce's members here: a local sum's inputs (one per tower), else the node."""
+    """The nodes of an all-reduce's members here: a local sum's inputs (one per tower), a local
+    gather's first row of each tower, else the node."""
+    if node.op == "Pack":
+        return [graph.producer(node.name, slot)[0] for slot in range(0, node.attr["N"].i, GATHER_ROWS)]
     if node.op != "AddN" or QUEUES_ATTR in node.attr:
         return [node.name]
     return [graph.producer(node.name, slot)[0] for slot in range(node.attr["N"].i)]

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from bnrewrite.graph.nodes import DT_DOUBLE, DT_FLOAT, DT_INT32, Builder, DType
-from bnrewrite.rewrite.collectives import Collective, all_reduce
+from bnrewrite.rewrite.collectives import Collective, all_reduce, local_gather
 
 D, F = DT_DOUBLE, DT_FLOAT
 #: The numpy type of each work dtype.
@@ -121,19 +121,25 @@ def _summed_combine(b: Builder, reduced: str, work: int) -> Moments:
 
 
 def _gathered_moments(b: Builder, local: Local, key: Collective, counts: Sequence[int], channels: int, work: int) -> Moments:
-    """Static counts: member j's [m, spread] padded into rows 2j, 2j+1 of a [2K, C] all-reduce
-    (a Pad, not a Pack of 2K inputs, which would grow the graph as K^2), so every tower holds every
-    tower's moments; then two contractions with constant weights: mean = sum_j n_j/N m_j, and
-    variance = sum_j (n_j (m_j - mean)^2 + f_j spread_j) / N, f_j = n_j - 1 or 1. A tower of no
-    examples gives zeros (its kernel's moments are NaN)."""
+    """Static counts: member j's [m, spread] in rows 2j, 2j+1 of a [2K, C] tensor every tower
+    holds: padded into place and all-reduced (a Pad, not a Pack of 2K inputs in every tower, which
+    would grow the graph as K^2), or under the local backend one Pack of every member's for the
+    layer (local_gather); then two contractions with constant weights: mean = sum_j n_j/N m_j,
+    and variance = sum_j (n_j (m_j - mean)^2 + f_j spread_j) / N, f_j = n_j - 1 or 1. A tower of
+    no examples gives zeros (its kernel's moments are NaN)."""
     rows, dtype = 2 * len(counts), NUMPY_TYPES[work]
-    if counts[key.member] == 0:
-        pair = b.const("zeros", np.zeros([2, channels], dtype), dtype)
+    empty = counts[key.member] == 0
+    if key.backend == "local":
+        vectors = [b.const("zeros", np.zeros([channels], dtype), dtype)] * 2 if empty else [local.mean, local.spread]
+        gathered = local_gather(b, "all_reduce", vectors, work, key)
     else:
-        pair = b.node("Pack", "local", [local.mean, local.spread], T=DType(work), N=2, axis=0)
-    padding = b.const("rows", [[2 * key.member, rows - 2 * key.member - 2], [0, 0]])
-    placed = b.node("Pad", "placed", [pair, padding], T=DType(work), Tpaddings=DType(DT_INT32))
-    gathered = all_reduce(b, "all_reduce", placed, work, key)
+        if empty:
+            pair = b.const("zeros", np.zeros([2, channels], dtype), dtype)
+        else:
+            pair = b.node("Pack", "local", [local.mean, local.spread], T=DType(work), N=2, axis=0)
+        padding = b.const("rows", [[2 * key.member, rows - 2 * key.member - 2], [0, 0]])
+        placed = b.node("Pad", "placed", [pair, padding], T=DType(work), Tpaddings=DType(DT_INT32))
+        gathered = all_reduce(b, "all_reduce", placed, work, key)
     return b.once(("moments", gathered), lambda: _gathered_combine(b, gathered, counts, local.unbiased, work))
 
 
