@@ -297,9 +297,9 @@ def _members(node: Any) -> int:
     """How many towers' all-reduces `node` is: every member's for a local sum or gather, one for another's."""
     if INSTANCE_ATTR not in node.attr:
         return 0
-    if node.op == "Pack":
-        return node.attr["N"].i // GATHER_ROWS
-    return node.attr["N"].i if node.op == "AddN" and QUEUES_ATTR not in node.attr else 1
+    if node.op not in ("AddN", "Pack") or QUEUES_ATTR in node.attr:
+        return 1
+    return node.attr["N"].i // (GATHER_ROWS if node.op == "Pack" else 1)
 
 
 def _peer_edges(nodes: dict[str, Any], names: list[str]) -> list[str]:

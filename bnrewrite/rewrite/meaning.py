@@ -180,19 +180,20 @@ def _group(graph: Graph, node: NodeDef) -> tuple[str, int]:
     if node.op == "CollectiveReduceV2":
         size, group = (graph.node(graph.producer(node.name, slot)[0]).attr["value"].tensor.int_val[0] for slot in (1, 2))
         return f"collective group {group} instance {node.attr[INSTANCE_ATTR].i}", size
-    if node.op == "Pack":
-        return node.name, node.attr["N"].i // GATHER_ROWS
-    return (node.attr[QUEUES_ATTR].s.decode() if QUEUES_ATTR in node.attr else node.name), node.attr["N"].i
+    return (node.attr[QUEUES_ATTR].s.decode() if QUEUES_ATTR in node.attr else node.name), node.attr["N"].i // _rows(node)
 
 
 def _members(graph: Graph, node: NodeDef) -> list[str]:
     """The nodes of an all-reduce's members here: a local sum's inputs (one per tower), a local
     gather's first row of each tower, else the node."""
-    if node.op == "Pack":
-        return [graph.producer(node.name, slot)[0] for slot in range(0, node.attr["N"].i, GATHER_ROWS)]
-    if node.op != "AddN" or QUEUES_ATTR in node.attr:
+    if node.op not in ("AddN", "Pack") or QUEUES_ATTR in node.attr:
         return [node.name]
-    return [graph.producer(node.name, slot)[0] for slot in range(node.attr["N"].i)]
+    return [graph.producer(node.name, slot)[0] for slot in range(0, node.attr["N"].i, _rows(node))]
+
+
+def _rows(node: NodeDef) -> int:
+    """The inputs each member gives a local all-reduce: GATHER_ROWS to a gather (a Pack), 1 to a sum."""
+    return GATHER_ROWS if node.op == "Pack" else 1
 
 
 def _fail_if(invariant: str, problems: list[str]) -> None:
