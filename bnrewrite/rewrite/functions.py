@@ -126,10 +126,16 @@ def flatten(graph: Graph) -> tuple[Graph, Bodies | None]:
                for n in library[b].node_def):
             continue  # a gradient If; paired below
         forward_ifs.append(node)
+    if_names = {n.name for n in ifs}
+    readers: dict[str, list[node_def_pb2.NodeDef]] = {}  # If -> the other Ifs that read it, in graph order
+    for n in ifs:
+        for src in dict.fromkeys(parse_input(i)[0] for i in n.input):
+            if src in if_names and src != n.name:
+                readers.setdefault(src, []).append(n)
     bodies: list[Body] = []
     forward: dict[str, Body] = {}
     for fwd in forward_ifs:
-        grads = [n for n in ifs if n is not fwd and any(parse_input(i)[0] == fwd.name for i in n.input)]
+        grads = readers.get(fwd.name, [])
         group = [fwd, *grads]
         names = [(n, k) for n in group for k in ("then_branch", "else_branch")]
         reason = ""
@@ -141,8 +147,8 @@ def flatten(graph: Graph) -> tuple[Graph, Bodies | None]:
                 reason = reason or f"function {fname} is called {calls.get(fname, 0)} times"
             elif any(op_def_registry.get(x.op) is None for x in library[fname].node_def):
                 reason = reason or f"function {fname} calls functions or unregistered ops"
-        others = {g.name for g in ifs} - {fwd.name}
-        several = next((g.name for g in grads if any(parse_input(i)[0] in others for i in g.input)), None)
+        several = next((g.name for g in grads if any(src in if_names and src != fwd.name
+                                                     for src, _ in map(parse_input, g.input))), None)
         if several is not None:
             reason = reason or f"{several} reads several conditionals"
         if reason:
@@ -286,15 +292,16 @@ def restore(graph: Graph, bodies: Bodies) -> Graph:
         if node.name in pseudo:
             editor.remove(node.name)
             continue
-        body = _innermost(node.name, by_prefix)
+        body = _innermost(node.name, by_prefix) if BODY_MARK in node.name else None  # a body's names all hold it
         if body is None:
             top.append(node)
         else:
             owner[node.name] = body
             members[body.prefix].append(node)
             editor.remove(node.name)
-    for node in top:
-        if any(parse_input(i)[0] in owner or parse_input(i)[0] in pseudo for i in node.input):
+    for node in top:  # what a top-level node reads from a body is named under the body's prefix
+        if any(BODY_MARK in i for i in node.input) and any(
+                src in owner or src in pseudo for src, _ in map(parse_input, node.input)):
             kept = []
             for spec in node.input:
                 src, out = parse_input(spec)
