@@ -104,9 +104,9 @@ def _move_statistics(ctx: SiteContext, site: str, statistics: list[str]) -> None
     """Whatever read outputs 1-5 of `site` reads `statistics` instead. The op's output 0 keeps
     only its own consumers (usually a Relu), so that Grappler's remapper fuses the two on CPU as
     it did the training op: it fuses no op whose other outputs are read."""
-    for output, tensor in enumerate(statistics, start=1):
-        for edge in ctx.graph.consumers_of(site, output):
-            ctx.editor.mutable(edge.consumer).input[edge.slot] = tensor
+    for edge in ctx.graph.consumers_of(site):
+        if 1 <= edge.output <= len(statistics):
+            ctx.editor.mutable(edge.consumer).input[edge.slot] = statistics[edge.output - 1]
 
 
 def _kernel_moments(b: Builder, x: str, scale: str, offset: str, site: Site, count: int | None) -> Local:
