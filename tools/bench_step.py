@@ -370,7 +370,8 @@ def arguments(doc: str, towers: int, towers_help: str, sizes: str) -> argparse.A
     parser.add_argument("--traces", type=int, default=6,
                         help="traced steps per variant (op times: medians; peak memory: the lowest, see Measured.peak)")
     parser.add_argument("--top", type=int, default=10, help="op types listed per synced variant (largest |Δ|)")
-    parser.add_argument("--quick", action="store_true", help="default size only, 6 steps, 1 warm-up, 1 trace")
+    parser.add_argument("--quick", action="store_true",
+                        help="default size only, 6 steps, 1 warm-up, 1 trace: a smoke run, too noisy to judge a goal by")
     return parser
 
 
@@ -402,6 +403,9 @@ def run(args: argparse.Namespace, device: str, towers: int, where: str) -> None:
             sys.stdout.flush()
     print("\n== goals ==")
     print("\n".join(goals))
+    if args.quick:
+        print("(--quick: 6 steps in one block, a smoke run whose ratios move by 15 % or more between runs; "
+              "judge the goals on the default 30 steps)")
 
 
 def main(argv: list[str] | None = None) -> None:
